@@ -1,0 +1,653 @@
+// DeepSeek-V4's online 128-token KV compressor: decode, two-pass prefill and
+// the host planner that cuts a prefill into per-chunk segments.
+//
+// Every request slot keeps a running softmax state `[max | sum | kv]` of
+// 3*D floats (kv is the normalised weighted mean). Channels are independent,
+// so every thread owns 4 consecutive channels and works on float4 vectors.
+#pragma once
+
+#include <dlpack/dlpack.h>
+#include <sgl_kernel/deepseek_v4/compress.cuh>
+#include <sgl_kernel/runtime.cuh>
+#include <sgl_kernel/tensor.h>
+#include <sgl_kernel/tile.cuh>
+#include <sgl_kernel/utils.cuh>
+#include <sgl_kernel/utils.h>
+#include <sgl_kernel/vec.cuh>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/container/tuple.h>
+#include <tvm/ffi/optional.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace flash_compress::c128 {
+
+using device::compress::kPlanSentinel;
+using device::compress::PrefillPlan;
+
+inline constexpr uint32_t kChunk = 128;
+inline constexpr uint32_t kVecWidth = 4;
+using Vec = device::AlignedVector<float, kVecWidth>;
+
+template <int64_t kHeadDim>
+inline constexpr bool kSupportedHeadDim = kHeadDim >= 64 && kHeadDim <= 1024 && kHeadDim % 64 == 0;
+
+// ---------------------------------------------------------------------------
+// Softmax arithmetic on 4 channels at a time.
+// ---------------------------------------------------------------------------
+
+/// \brief Softmax over a set of tokens, per channel, not yet normalised:
+/// `max`, `sum = sum_j exp(s_j - max)` and `acc = sum_j exp(s_j - max) * kv_j`.
+/// The empty set is (-inf, 0, 0), which every merge treats as a no-op.
+struct SoftmaxPartial {
+  Vec max, sum, acc;
+
+  SGL_DEVICE static SoftmaxPartial empty() {
+    SoftmaxPartial p;
+    p.max.fill(-INFINITY);
+    p.sum.fill(0.0f);
+    p.acc.fill(0.0f);
+    return p;
+  }
+};
+
+/// \brief Adds the first `count` of `kBatch` tokens to `part`. Their maximum
+/// is taken first, so the running sums are rescaled once per batch.
+template <uint32_t kBatch>
+SGL_DEVICE void absorb_tokens(SoftmaxPartial& part, const Vec (&kv)[kBatch], const Vec (&score)[kBatch],
+                              uint32_t count) {
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) {
+    float batch_max = part.max[c];
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+      if (k < count) batch_max = fmaxf(batch_max, score[k][c]);
+    }
+    // batch_max is finite (count >= 1), so an empty part scales by exp(-inf) = 0.
+    const float rescale = expf(part.max[c] - batch_max);
+    float sum = part.sum[c] * rescale;
+    float acc = part.acc[c] * rescale;
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+      if (k < count) {
+        const float weight = expf(score[k][c] - batch_max);
+        sum += weight;
+        acc = fmaf(weight, kv[k][c], acc);
+      }
+    }
+    part.max[c] = batch_max;
+    part.sum[c] = sum;
+    part.acc[c] = acc;
+  }
+}
+
+/// \brief `into` becomes the softmax over the union of both token sets.
+/// `into` must be non-empty; `other` may be empty.
+SGL_DEVICE void merge_partial(SoftmaxPartial& into, const SoftmaxPartial& other) {
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) {
+    const float max = fmaxf(into.max[c], other.max[c]);
+    const float scale_into = expf(into.max[c] - max);
+    const float scale_other = expf(other.max[c] - max);
+    into.max[c] = max;
+    into.sum[c] = into.sum[c] * scale_into + other.sum[c] * scale_other;
+    into.acc[c] = into.acc[c] * scale_into + other.acc[c] * scale_other;
+  }
+}
+
+/// \brief A stored state `[max | sum | kv]` (kv normalised) for 4 channels.
+struct SoftmaxState {
+  Vec max, sum, kv;
+};
+
+/// \brief The state of `part`'s tokens alone.
+SGL_DEVICE SoftmaxState finish_state(const SoftmaxPartial& part) {
+  SoftmaxState out;
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) {
+    out.max[c] = part.max[c];
+    out.sum[c] = part.sum[c];
+    out.kv[c] = part.acc[c] / part.sum[c];
+  }
+  return out;
+}
+
+/// \brief The state of the tokens of `prior` followed by those of `part`.
+SGL_DEVICE SoftmaxState finish_state(const SoftmaxPartial& part, const SoftmaxState& prior) {
+  SoftmaxState out;
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) {
+    const float max = fmaxf(prior.max[c], part.max[c]);
+    const float prior_weight = prior.sum[c] * expf(prior.max[c] - max);
+    const float part_scale = expf(part.max[c] - max);
+    const float sum = prior_weight + part.sum[c] * part_scale;
+    out.max[c] = max;
+    out.sum[c] = sum;
+    out.kv[c] = (prior.kv[c] * prior_weight + part.acc[c] * part_scale) / sum;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Decode: one token per request.
+// ---------------------------------------------------------------------------
+
+struct DecodeParams {
+  float* __restrict__ state;               // [num_slots, 3D]
+  const float* __restrict__ input;         // [B, 2D]  | kv | score |
+  float* __restrict__ output;              // [B, D]
+  const float* __restrict__ ape;           // [128, D]
+  const int32_t* __restrict__ indices;     // [B]
+  const int32_t* __restrict__ seq_lens;    // [B]
+  uint32_t batch_size;
+  int32_t num_slots;
+};
+
+template <int64_t kHeadDim>
+struct DecodeLayout {
+  static constexpr uint32_t kLanes = kHeadDim / kVecWidth;  // threads per request
+  static constexpr uint32_t kRequestsPerBlock = kLanes >= 256 ? 1 : 256 / kLanes;
+  static constexpr uint32_t kThreads = kLanes * kRequestsPerBlock;
+};
+
+template <int64_t kHeadDim, bool kUsePDL>
+__global__ void __launch_bounds__(DecodeLayout<kHeadDim>::kThreads)
+    c128_decode_kernel(const __grid_constant__ DecodeParams params) {
+  using Layout = DecodeLayout<kHeadDim>;
+  const uint32_t lane = threadIdx.x % Layout::kLanes;
+  const uint32_t request = blockIdx.x * Layout::kRequestsPerBlock + threadIdx.x / Layout::kLanes;
+
+  device::PDLWaitPrimary<kUsePDL>();
+  if (request >= params.batch_size) return;
+  const int32_t slot = params.indices[request];
+  const int32_t seq_len = params.seq_lens[request];
+  // Values the host cannot check without a sync: such a request is skipped.
+  if (seq_len < 1 || slot < 0 || slot >= params.num_slots) return;
+
+  const uint32_t pos = static_cast<uint32_t>(seq_len - 1) % kChunk;
+  const auto mem = device::tile::Memory<Vec>(lane, Layout::kLanes);
+  float* state = params.state + static_cast<int64_t>(slot) * (3 * kHeadDim);
+  const float* token = params.input + static_cast<int64_t>(request) * (2 * kHeadDim);
+
+  const Vec kv = mem.load_streaming(token, 0);
+  Vec score = mem.load_streaming(token, 1);
+  const Vec bias = mem.load(params.ape + pos * kHeadDim);
+  SoftmaxState old;
+  if (pos != 0) {  // the first token of a chunk replaces the state unread
+    old.max = mem.load(state, 0);
+    old.sum = mem.load(state, 1);
+    old.kv = mem.load(state, 2);
+  }
+  device::PDLTriggerSecondary<kUsePDL>();
+
+  SoftmaxState next;
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) {
+    const float s = score[c] + bias[c];
+    if (pos == 0) {
+      next.max[c] = s;
+      next.sum[c] = 1.0f;
+      next.kv[c] = kv[c];
+    } else {
+      const float max = fmaxf(old.max[c], s);
+      const float old_weight = old.sum[c] * expf(old.max[c] - max);
+      const float new_weight = expf(s - max);
+      const float sum = old_weight + new_weight;
+      next.max[c] = max;
+      next.sum[c] = sum;
+      next.kv[c] = (old.kv[c] * old_weight + kv[c] * new_weight) / sum;
+    }
+  }
+  if (pos == kChunk - 1) {
+    // The chunk is complete: emit it. The state is left alone because the
+    // next chunk's first token replaces it unread.
+    mem.store(params.output + static_cast<int64_t>(request) * kHeadDim, next.kv);
+  } else {
+    mem.store(state, next.max, 0);
+    mem.store(state, next.sum, 1);
+    mem.store(state, next.kv, 2);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Prefill: two passes over plans of segments (each inside one chunk).
+// ---------------------------------------------------------------------------
+
+struct PrefillParams {
+  float* __restrict__ state;                // [num_slots, 3D]
+  const float* __restrict__ input;          // [num_tokens, 2D]  | kv | score |
+  float* __restrict__ output;               // [num_tokens, D]
+  const float* __restrict__ ape;            // [128, D]
+  const int32_t* __restrict__ indices;      // [B] slot each request stores to
+  const int32_t* __restrict__ load_indices; // [B] slot each request reads from
+  const PrefillPlan* __restrict__ plan;     // [num_rows] this pass's plan
+  uint32_t num_rows;
+  uint32_t num_tokens;
+  uint32_t batch_size;
+  int32_t num_slots;
+};
+
+template <int64_t kHeadDim>
+struct PrefillLayout {
+  static_assert(kSupportedHeadDim<kHeadDim>, "head_dim must be a multiple of 64 in [64, 1024]");
+  /// A block works on one slice of channels of one segment at a time.
+  static constexpr uint32_t kSliceDim = kHeadDim % 128 == 0 ? 128 : 64;
+  static constexpr uint32_t kSlices = kHeadDim / kSliceDim;
+  static constexpr uint32_t kLanes = kSliceDim / kVecWidth;  // threads per token of a slice
+  static constexpr uint32_t kThreads = 256;
+  /// Groups of kLanes threads take a segment's tokens round-robin, so a
+  /// short segment still spreads over the whole block.
+  static constexpr uint32_t kGroups = kThreads / kLanes;
+  /// Tokens whose loads each thread keeps in flight at once.
+  static constexpr uint32_t kBatch = 4;
+};
+
+/// \brief One (segment, channel slice) a block has to compute, decoded and
+/// checked from its plan row.
+struct SegmentWork {
+  uint32_t last_row;    // ragged row of the segment's last token
+  uint32_t first_pos;   // position in the chunk of the segment's first token
+  uint32_t window_len;  // tokens in the segment
+  uint32_t slice;       // channel slice
+  int32_t prior_slot;   // slot of the chunk's earlier tokens; -1 if the segment starts the chunk
+  int32_t target;       // compress pass: output row; write pass: slot the state goes to
+};
+
+/// \brief Decodes a plan row. Sentinel rows (CUDA-graph padding) and rows the
+/// kernel cannot execute safely (out-of-range rows, slots or request ids,
+/// a segment that leaves its chunk, a row of the other pass) yield false and
+/// are skipped: the host cannot see these values without a sync.
+template <bool kWritePass>
+SGL_DEVICE bool decode_segment(const PrefillPlan& row, uint32_t slice, const PrefillParams& params,
+                               SegmentWork& work) {
+  if (row.ragged_id == kPlanSentinel) return false;
+  const uint32_t last_pos = row.position % kChunk;
+  const bool closes_chunk = last_pos == kChunk - 1;
+  if (closes_chunk == kWritePass) return false;
+  if (row.window_len == 0 || row.window_len > last_pos + 1) return false;
+  if (row.ragged_id >= params.num_tokens || row.ragged_id + 1 < row.window_len) return false;
+  if (row.batch_id >= params.batch_size) return false;
+  work.last_row = row.ragged_id;
+  work.first_pos = last_pos + 1 - row.window_len;
+  work.window_len = row.window_len;
+  work.slice = slice;
+  work.prior_slot = -1;
+  if (work.first_pos != 0) {
+    work.prior_slot = params.load_indices[row.batch_id];
+    if (work.prior_slot < 0 || work.prior_slot >= params.num_slots) return false;
+  }
+  if constexpr (kWritePass) {
+    work.target = params.indices[row.batch_id];
+    if (work.target < 0 || work.target >= params.num_slots) return false;
+  } else {
+    work.target = static_cast<int32_t>(row.ragged_id);
+  }
+  return true;
+}
+
+/// \brief Per-group partial results of one segment slice, merged by group 0.
+template <int64_t kHeadDim>
+struct PartialExchange {
+  using Layout = PrefillLayout<kHeadDim>;
+  Vec max[Layout::kGroups][Layout::kLanes];
+  Vec sum[Layout::kGroups][Layout::kLanes];
+  Vec acc[Layout::kGroups][Layout::kLanes];
+
+  SGL_DEVICE void put(uint32_t group, uint32_t lane, const SoftmaxPartial& part) {
+    max[group][lane] = part.max;
+    sum[group][lane] = part.sum;
+    acc[group][lane] = part.acc;
+  }
+  SGL_DEVICE SoftmaxPartial get(uint32_t group, uint32_t lane) const {
+    return SoftmaxPartial{max[group][lane], sum[group][lane], acc[group][lane]};
+  }
+};
+
+/// \brief Computes one segment slice with the whole block and stores it:
+/// the compressed row (compress pass) or the new state (write pass).
+template <int64_t kHeadDim, bool kWritePass>
+SGL_DEVICE void compress_segment(const SegmentWork& work, const PrefillParams& params,
+                                 PartialExchange<kHeadDim>& exchange) {
+  using Layout = PrefillLayout<kHeadDim>;
+  constexpr uint32_t kBatch = Layout::kBatch;
+  const uint32_t group = threadIdx.x / Layout::kLanes;
+  const uint32_t lane = threadIdx.x % Layout::kLanes;
+  const uint32_t channel = work.slice * Layout::kSliceDim + lane * kVecWidth;
+  const bool is_merger = group == 0;
+
+  // Group 0 merges at the end; its load of the prior state overlaps the tokens.
+  SoftmaxState prior;
+  if (is_merger && work.prior_slot >= 0) {
+    const float* slot = params.state + static_cast<int64_t>(work.prior_slot) * (3 * kHeadDim) + channel;
+    prior.max.load(slot);
+    prior.sum.load(slot + kHeadDim);
+    prior.kv.load(slot + 2 * kHeadDim);
+  }
+
+  SoftmaxPartial part = SoftmaxPartial::empty();
+  const int64_t first_row = static_cast<int64_t>(work.last_row) + 1 - work.window_len;
+  for (uint32_t t0 = group; t0 < work.window_len; t0 += Layout::kGroups * kBatch) {
+    Vec kv[kBatch], score[kBatch], bias[kBatch];
+    const uint32_t count = min(kBatch, (work.window_len - t0 + Layout::kGroups - 1) / Layout::kGroups);
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+      if (k < count) {
+        const uint32_t t = t0 + k * Layout::kGroups;
+        const float* token = params.input + (first_row + t) * (2 * kHeadDim) + channel;
+        kv[k].load_streaming(token);
+        score[k].load_streaming(token + kHeadDim);
+        bias[k].load(params.ape + (work.first_pos + t) * kHeadDim + channel);
+      }
+    }
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+#pragma unroll
+      for (uint32_t c = 0; c < kVecWidth; ++c) score[k][c] += bias[k][c];
+    }
+    absorb_tokens<kBatch>(part, kv, score, count);
+  }
+
+  exchange.put(group, lane, part);
+  __syncthreads();
+  if (is_merger) {
+    SoftmaxPartial total = exchange.get(0, lane);
+#pragma unroll
+    for (uint32_t g = 1; g < Layout::kGroups; ++g) merge_partial(total, exchange.get(g, lane));
+    const SoftmaxState out = work.prior_slot >= 0 ? finish_state(total, prior) : finish_state(total);
+    if constexpr (kWritePass) {
+      float* slot = params.state + static_cast<int64_t>(work.target) * (3 * kHeadDim) + channel;
+      out.max.store(slot);
+      out.sum.store(slot + kHeadDim);
+      out.kv.store(slot + 2 * kHeadDim);
+    } else {
+      out.kv.store(params.output + static_cast<int64_t>(work.target) * kHeadDim + channel);
+    }
+  }
+  __syncthreads();  // the exchange is reused by the next segment
+}
+
+/// \brief One prefill pass. Work items are (plan row, channel slice); block b
+/// owns items b, b + grid, b + 2*grid, ... Its threads read a whole batch of
+/// its plan rows at once and queue the live ones, so the padding rows of a
+/// CUDA-graph plan cost one parallel load per block, not a launch or a
+/// dependent chain each.
+template <int64_t kHeadDim, bool kWritePass, bool kUsePDL>
+__global__ void __launch_bounds__(PrefillLayout<kHeadDim>::kThreads)
+    c128_prefill_kernel(const __grid_constant__ PrefillParams params) {
+  using Layout = PrefillLayout<kHeadDim>;
+  __shared__ SegmentWork queue[Layout::kThreads];
+  __shared__ uint32_t queue_size;
+  __shared__ PartialExchange<kHeadDim> exchange;
+
+  device::PDLWaitPrimary<kUsePDL>();
+  const uint64_t num_items = static_cast<uint64_t>(params.num_rows) * Layout::kSlices;
+  const uint64_t grid = gridDim.x;
+  for (uint64_t batch_start = blockIdx.x; batch_start < num_items; batch_start += grid * Layout::kThreads) {
+    if (threadIdx.x == 0) queue_size = 0;
+    __syncthreads();
+    const uint64_t item = batch_start + threadIdx.x * grid;
+    SegmentWork work;
+    if (item < num_items &&
+        decode_segment<kWritePass>(params.plan[item / Layout::kSlices], item % Layout::kSlices, params, work)) {
+      queue[atomicAdd(&queue_size, 1u)] = work;
+    }
+    __syncthreads();
+    const uint32_t queued = queue_size;
+    for (uint32_t i = 0; i < queued; ++i) compress_segment<kHeadDim, kWritePass>(queue[i], params, exchange);
+  }
+  device::PDLTriggerSecondary<kUsePDL>();
+}
+
+// ---------------------------------------------------------------------------
+// Host planner.
+// ---------------------------------------------------------------------------
+
+struct PlanCounts {
+  int64_t num_compress;
+  int64_t num_write;
+};
+
+/// \brief Cuts each request's new tokens `[seq_len - extend_len, seq_len)`
+/// at chunk boundaries. A segment that closes a chunk becomes a compress row;
+/// a request's trailing partial segment becomes its (only) write row. Rows
+/// hold the segment's last token. Inputs must already be validated.
+inline PlanCounts plan_segments(const int64_t* extend_lens, const int64_t* seq_lens, int64_t batch_size,
+                                PrefillPlan* compress_plan, PrefillPlan* write_plan) {
+  PlanCounts counts{0, 0};
+  uint32_t ragged_start = 0;  // ragged row of the request's first new token
+  for (int64_t b = 0; b < batch_size; ++b) {
+    const auto seq_len = static_cast<uint32_t>(seq_lens[b]);
+    const auto extend_len = static_cast<uint32_t>(extend_lens[b]);
+    const uint32_t prefix_len = seq_len - extend_len;
+    for (uint32_t begin = prefix_len; begin < seq_len;) {
+      const uint32_t chunk_end = (begin / kChunk + 1) * kChunk;
+      const uint32_t end = std::min(seq_len, chunk_end);
+      const PrefillPlan row{
+          .ragged_id = ragged_start + (end - 1 - prefix_len),
+          .batch_id = static_cast<uint32_t>(b),
+          .position = end - 1,
+          .window_len = end - begin,
+      };
+      if (end == chunk_end) {
+        compress_plan[counts.num_compress++] = row;
+      } else {
+        write_plan[counts.num_write++] = row;
+      }
+      begin = end;
+    }
+    ragged_start += extend_len;
+  }
+  return counts;
+}
+
+inline void fill_sentinel_rows(PrefillPlan* plan, int64_t begin, int64_t end) {
+  constexpr PrefillPlan kPadding{kPlanSentinel, kPlanSentinel, kPlanSentinel, kPlanSentinel};
+  std::fill(plan + begin, plan + end, kPadding);
+}
+
+/// \brief `plan_online_prefill(extend_lens, seq_lens, compress_plan,
+/// write_plan, use_cuda_graph) -> (num_compress, num_write)`.
+/// Lengths are int64 [B] host tensors (CPU or pinned); plans are uint8 [M, 16]
+/// host tensors with M = sum(extend_lens). Everything is validated before the
+/// first byte is written. With `use_cuda_graph` both plans are padded to M
+/// rows with sentinel rows and (M, M) is returned.
+using PlanResult = tvm::ffi::Tuple<int64_t, int64_t>;
+
+inline PlanResult plan_online_prefill(tvm::ffi::TensorView extend_lens,
+                                                             tvm::ffi::TensorView seq_lens,
+                                                             tvm::ffi::TensorView compress_plan,
+                                                             tvm::ffi::TensorView write_plan, bool use_cuda_graph) {
+  using namespace host;
+  using compress::kPrefillPlanDim;
+  using compress::PrefillPlanTensorDtype;
+  auto B = SymbolicSize{"batch_size"};
+  auto M = SymbolicSize{"num_tokens"};
+  auto lens_device = SymbolicDevice{};
+  auto plan_device = SymbolicDevice{};
+  lens_device.set_options<kDLCPU, kDLCUDAHost>();
+  plan_device.set_options<kDLCPU, kDLCUDAHost>();
+  TensorMatcher({B}).with_dtype<int64_t>().with_device(lens_device).verify(extend_lens, "extend_lens");
+  TensorMatcher({B}).with_dtype<int64_t>().with_device(lens_device).verify(seq_lens, "seq_lens");
+  const auto plan_matcher = TensorMatcher({M, kPrefillPlanDim})
+                                .with_dtype<PrefillPlanTensorDtype>()
+                                .with_device(plan_device)
+                                .with_alignment(alignof(PrefillPlan));
+  plan_matcher.verify(compress_plan, "compress_plan");
+  plan_matcher.verify(write_plan, "write_plan");
+
+  const int64_t batch_size = B.unwrap();
+  const int64_t num_rows = M.unwrap();
+  const auto* extend = data_ptr<const int64_t>(extend_lens);
+  const auto* seq = data_ptr<const int64_t>(seq_lens);
+  // Ragged ids and positions are uint32 and all-ones marks padding.
+  constexpr int64_t kMaxLength = std::numeric_limits<uint32_t>::max() - 1;
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch_size; ++b) {
+    CheckAs("ValueError", 0 < extend[b] && extend[b] <= seq[b], "argument 'extend_lens': expected 0 < extend_lens[",
+            b, "] <= seq_lens[", b, "], got extend_lens[", b, "] = ", extend[b], " and seq_lens[", b, "] = ", seq[b]);
+    CheckAs("ValueError", seq[b] <= kMaxLength, "argument 'seq_lens': expected seq_lens[", b, "] <= ", kMaxLength,
+            ", got ", seq[b]);
+    total += extend[b];
+    CheckAs("ValueError", total <= kMaxLength, "argument 'extend_lens': expected a sum <= ", kMaxLength,
+            ", got more");
+  }
+  CheckAs("ValueError", total == num_rows, "argument 'compress_plan': expected [sum(extend_lens), 16] = [", total,
+          ", 16] (write_plan too), got [", num_rows, ", 16]");
+
+  auto* compress = data_ptr<PrefillPlan>(compress_plan);
+  auto* write = data_ptr<PrefillPlan>(write_plan);
+  const PlanCounts counts = plan_segments(extend, seq, batch_size, compress, write);
+  if (!use_cuda_graph) return PlanResult(counts.num_compress, counts.num_write);
+  fill_sentinel_rows(compress, counts.num_compress, num_rows);
+  fill_sentinel_rows(write, counts.num_write, num_rows);
+  return PlanResult(num_rows, num_rows);
+}
+
+// ---------------------------------------------------------------------------
+// Kernel exports for one (head_dim, use_pdl) variant.
+// ---------------------------------------------------------------------------
+
+template <int64_t kHeadDim, bool kUsePDL>
+struct C128Online {
+  static_assert(kSupportedHeadDim<kHeadDim>, "head_dim must be a multiple of 64 in [64, 1024]");
+  using Prefill = PrefillLayout<kHeadDim>;
+  static constexpr auto kDecodeKernel = c128_decode_kernel<kHeadDim, kUsePDL>;
+  static constexpr auto kCompressKernel = c128_prefill_kernel<kHeadDim, false, kUsePDL>;
+  static constexpr auto kWriteKernel = c128_prefill_kernel<kHeadDim, true, kUsePDL>;
+  /// Blocks per resident block slot when a plan has more work items than
+  /// the GPU holds at once; beyond that, blocks loop over their items.
+  static constexpr int64_t kGridOversubscription = 2;
+
+  /// \brief Checks the tensors every kernel shares; returns the slot count.
+  static int32_t verify_common(const tvm::ffi::TensorView& kv_score_buffer, const tvm::ffi::TensorView& kv_score_input,
+                               const tvm::ffi::TensorView& kv_compressed_output, const tvm::ffi::TensorView& ape,
+                               host::SymbolicSize& rows, host::SymbolicDevice& device) {
+    using namespace host;
+    auto S = SymbolicSize{"num_slots"};
+    TensorMatcher({S, 1, 3 * kHeadDim})
+        .with_dtype<float>()
+        .with_device(device)
+        .with_alignment(16)
+        .verify(kv_score_buffer, "kv_score_buffer");
+    TensorMatcher({rows, 2 * kHeadDim})
+        .with_dtype<float>()
+        .with_device(device)
+        .with_alignment(16)
+        .verify(kv_score_input, "kv_score_input");
+    TensorMatcher({rows, kHeadDim})
+        .with_dtype<float>()
+        .with_device(device)
+        .with_alignment(16)
+        .verify(kv_compressed_output, "kv_compressed_output");
+    TensorMatcher({static_cast<int64_t>(kChunk), kHeadDim})
+        .with_dtype<float>()
+        .with_device(device)
+        .with_alignment(16)
+        .verify(ape, "ape");
+    CheckAs("ValueError", S.unwrap() <= std::numeric_limits<int32_t>::max(),
+            "argument 'kv_score_buffer': expected at most 2^31-1 slots, got ", S.unwrap());
+    return static_cast<int32_t>(S.unwrap());
+  }
+
+  static void run_decode(tvm::ffi::TensorView kv_score_buffer, tvm::ffi::TensorView kv_score_input,
+                         tvm::ffi::TensorView kv_compressed_output, tvm::ffi::TensorView ape,
+                         tvm::ffi::TensorView indices, tvm::ffi::TensorView seq_lens,
+                         tvm::ffi::Optional<tvm::ffi::TensorView> /*extra: unused*/) {
+    using namespace host;
+    auto B = SymbolicSize{"batch_size"};
+    auto device = SymbolicDevice{};
+    device.set_options<kDLCUDA>();
+    const int32_t num_slots = verify_common(kv_score_buffer, kv_score_input, kv_compressed_output, ape, B, device);
+    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(indices, "indices");
+    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(seq_lens, "seq_lens");
+
+    const int64_t batch_size = B.unwrap();
+    if (batch_size == 0) return;
+    using Layout = DecodeLayout<kHeadDim>;
+    const DecodeParams params{
+        .state = data_ptr<float>(kv_score_buffer),
+        .input = data_ptr<const float>(kv_score_input),
+        .output = data_ptr<float>(kv_compressed_output),
+        .ape = data_ptr<const float>(ape),
+        .indices = data_ptr<const int32_t>(indices),
+        .seq_lens = data_ptr<const int32_t>(seq_lens),
+        .batch_size = static_cast<uint32_t>(batch_size),
+        .num_slots = num_slots,
+    };
+    const auto blocks = (batch_size + Layout::kRequestsPerBlock - 1) / Layout::kRequestsPerBlock;
+    LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap())
+        .enable_pdl(kUsePDL)(kDecodeKernel, params);
+  }
+
+  static void run_prefill(tvm::ffi::TensorView kv_score_buffer, tvm::ffi::TensorView kv_score_input,
+                          tvm::ffi::TensorView kv_compressed_output, tvm::ffi::TensorView ape,
+                          tvm::ffi::TensorView indices, tvm::ffi::TensorView compress_plan,
+                          tvm::ffi::TensorView write_plan, tvm::ffi::Optional<tvm::ffi::TensorView> load_indices) {
+    using namespace host;
+    using compress::kPrefillPlanDim;
+    using compress::PrefillPlanTensorDtype;
+    auto N = SymbolicSize{"num_tokens"};
+    auto B = SymbolicSize{"batch_size"};
+    auto num_compress = SymbolicSize{"num_compress_rows"};
+    auto num_write = SymbolicSize{"num_write_rows"};
+    auto device = SymbolicDevice{};
+    device.set_options<kDLCUDA>();
+    const int32_t num_slots = verify_common(kv_score_buffer, kv_score_input, kv_compressed_output, ape, N, device);
+    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(indices, "indices");
+    const auto load_from = load_indices.value_or(indices);
+    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(load_from, "load_indices");
+    TensorMatcher({num_compress, kPrefillPlanDim})
+        .with_dtype<PrefillPlanTensorDtype>()
+        .with_device(device)
+        .with_alignment(alignof(PrefillPlan))
+        .verify(compress_plan, "compress_plan");
+    TensorMatcher({num_write, kPrefillPlanDim})
+        .with_dtype<PrefillPlanTensorDtype>()
+        .with_device(device)
+        .with_alignment(alignof(PrefillPlan))
+        .verify(write_plan, "write_plan");
+    CheckAs("ValueError", N.unwrap() < kPlanSentinel, "argument 'kv_score_input': expected fewer than 2^32-1 rows, got ",
+            N.unwrap());
+    CheckAs("ValueError", num_compress.unwrap() < kPlanSentinel && num_write.unwrap() < kPlanSentinel,
+            "argument 'compress_plan'/'write_plan': expected fewer than 2^32-1 rows");
+
+    PrefillParams params{
+        .state = data_ptr<float>(kv_score_buffer),
+        .input = data_ptr<const float>(kv_score_input),
+        .output = data_ptr<float>(kv_compressed_output),
+        .ape = data_ptr<const float>(ape),
+        .indices = data_ptr<const int32_t>(indices),
+        .load_indices = data_ptr<const int32_t>(load_from),
+        .plan = nullptr,
+        .num_rows = 0,
+        .num_tokens = static_cast<uint32_t>(N.unwrap()),
+        .batch_size = static_cast<uint32_t>(B.unwrap()),
+        .num_slots = num_slots,
+    };
+    const DLDevice dl_device = device.unwrap();
+    // Pass 1 only reads states; pass 2 then overwrites them. Stream order
+    // (PDL waits included) keeps every read of a slot before its write.
+    params.plan = data_ptr<const PrefillPlan>(compress_plan);
+    params.num_rows = static_cast<uint32_t>(num_compress.unwrap());
+    launch_pass<kCompressKernel>(params, dl_device);
+    params.plan = data_ptr<const PrefillPlan>(write_plan);
+    params.num_rows = static_cast<uint32_t>(num_write.unwrap());
+    launch_pass<kWriteKernel>(params, dl_device);
+  }
+
+ private:
+  template <auto kKernel>
+  static void launch_pass(const PrefillParams& params, DLDevice device) {
+    const int64_t num_items = static_cast<int64_t>(params.num_rows) * Prefill::kSlices;
+    if (num_items == 0) return;
+    const int64_t max_blocks =
+        host::runtime::resident_blocks<kKernel>(device.device_id, Prefill::kThreads) * kGridOversubscription;
+    const auto blocks = static_cast<uint32_t>(std::min(num_items, max_blocks));
+    host::LaunchKernel(blocks, Prefill::kThreads, device).enable_pdl(kUsePDL)(kKernel, params);
+  }
+};
+
+}  // namespace flash_compress::c128

@@ -1,0 +1,45 @@
+// One wide register vector: a single 8- or 16-byte load or store per thread.
+#pragma once
+
+#include <sgl_kernel/utils.cuh>
+
+#include <cstdint>
+
+namespace device {
+
+template <typename T, uint32_t N>
+struct alignas(sizeof(T) * N) AlignedVector {
+  static_assert((N & (N - 1)) == 0, "vector width must be a power of two");
+  static constexpr uint32_t kSize = N;
+  T data[N];
+
+  SGL_DEVICE T& operator[](uint32_t i) { return data[i]; }
+  SGL_DEVICE const T& operator[](uint32_t i) const { return data[i]; }
+
+  /// \brief Loads vector `i` of `ptr` (elements `i*N .. i*N+N-1`).
+  SGL_DEVICE void load(const void* ptr, int64_t i = 0) { *this = reinterpret_cast<const AlignedVector*>(ptr)[i]; }
+  /// \brief Stores into vector `i` of `ptr`.
+  SGL_DEVICE void store(void* ptr, int64_t i = 0) const { reinterpret_cast<AlignedVector*>(ptr)[i] = *this; }
+
+  /// \brief A load for data read exactly once: marked evict-first so it does
+  /// not push reused data (weights, states) out of the caches.
+  SGL_DEVICE void load_streaming(const void* ptr, int64_t i = 0) {
+    const auto* src = reinterpret_cast<const AlignedVector*>(ptr) + i;
+    if constexpr (sizeof(AlignedVector) == 16) {
+      const auto v = __ldcs(reinterpret_cast<const int4*>(src));
+      *this = *reinterpret_cast<const AlignedVector*>(&v);
+    } else if constexpr (sizeof(AlignedVector) == 8) {
+      const auto v = __ldcs(reinterpret_cast<const int2*>(src));
+      *this = *reinterpret_cast<const AlignedVector*>(&v);
+    } else {
+      *this = *src;
+    }
+  }
+
+  SGL_DEVICE void fill(T value) {
+#pragma unroll
+    for (uint32_t k = 0; k < N; ++k) data[k] = value;
+  }
+};
+
+}  // namespace device
