@@ -1,0 +1,42 @@
+"""A generic JIT build-and-cache for tvm-ffi CUDA modules.
+
+Describe a variant with :class:`JitSpec`; :func:`load` returns its tvm-ffi module,
+compiling it on the first use anywhere on the machine and loading the cached .so
+afterwards. The cache key covers the sources' contents, flags, archs, nvcc, the
+host compiler, tvm-ffi and this package's version; builds are published atomically
+and built once across processes. This package knows nothing about any kernel.
+
+Settings (environment variable, or the same attribute on :data:`config`):
+``FLASH_COMPRESS_CACHE_DIR``, ``FLASH_COMPRESS_CUDA_ARCH_LIST``,
+``FLASH_COMPRESS_JIT_VERBOSE``, ``FLASH_COMPRESS_DISABLE_JIT``, ``MAX_JOBS``,
+``FLASH_COMPRESS_JIT_LOCK_TIMEOUT``.
+"""
+
+from __future__ import annotations
+
+from .arch import cuda_arch_list
+from .config import JitConfig, config
+from .errors import JitBuildError, JitDisabledError, JitError, JitLockTimeoutError
+from .loader import BuildOutcome, ensure_built, load
+from .manage import JitCacheInfo, clear_cache, list_entries
+from .spec import JitSpec
+from .toolchain import CudaToolkit, find_cuda_toolkit
+
+__all__ = [
+    "BuildOutcome",
+    "JitBuildError",
+    "JitCacheInfo",
+    "CudaToolkit",
+    "JitConfig",
+    "JitDisabledError",
+    "JitError",
+    "JitLockTimeoutError",
+    "JitSpec",
+    "clear_cache",
+    "config",
+    "cuda_arch_list",
+    "ensure_built",
+    "find_cuda_toolkit",
+    "list_entries",
+    "load",
+]

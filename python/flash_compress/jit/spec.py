@@ -1,0 +1,119 @@
+"""What to build: a variant's headers, exported functions, include dirs and flags."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["JitSpec"]
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# The tvm-ffi headers every generated translation unit needs for the export macro
+# and for the types that exported signatures use (TensorView, Optional, errors).
+_PRELUDE = (
+    "tvm/ffi/container/tensor.h",
+    "tvm/ffi/dtype.h",
+    "tvm/ffi/error.h",
+    "tvm/ffi/function.h",
+)
+
+
+def _strings(what: str, values: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(values, str):
+        raise TypeError(f"{what}: expected a sequence of strings, got the single string {values!r}")
+    out = tuple(values)
+    for value in out:
+        if not isinstance(value, str):
+            raise TypeError(f"{what}: expected strings, got {value!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class JitSpec:
+    """One buildable variant.
+
+    The loader writes a translation unit that includes ``headers`` in order and
+    exports, for each ``exports`` item, the C++ callable expression under the
+    export name. Every file under every ``include_dirs`` entry is hashed into the
+    cache key, so these should be the project's own source roots, not system dirs.
+
+    Attributes:
+        name: readable variant name (letters, digits, ``_``); it starts the cache folder's name.
+        headers: headers the generated translation unit ``#include``s, in order.
+        exports: export name -> C++ callable expression (a function or static member function).
+        include_dirs: passed as ``-I``; their whole contents go into the cache key.
+        extra_cuda_cflags: extra nvcc flags.
+        extra_cflags: extra host C++ flags.
+        extra_ldflags: extra linker flags.
+    """
+
+    name: str
+    headers: tuple[str, ...]
+    exports: Mapping[str, str]
+    include_dirs: tuple[Path, ...] = ()
+    extra_cuda_cflags: tuple[str, ...] = ()
+    extra_cflags: tuple[str, ...] = ()
+    extra_ldflags: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ValueError(f"JitSpec.name: expected letters, digits and _, got {self.name!r}")
+        headers = _strings("JitSpec.headers", self.headers)
+        if not headers:
+            raise ValueError("JitSpec.headers: expected at least one header")
+        for header in headers:
+            if not header or any(c in header for c in '<>"\n\r'):
+                raise ValueError(f"JitSpec.headers: not an includable header name: {header!r}")
+        if not isinstance(self.exports, Mapping) or not self.exports:
+            raise ValueError("JitSpec.exports: expected a non-empty mapping of export name -> C++ expression")
+        exports: dict[str, str] = {}
+        for export, expr in self.exports.items():
+            if not isinstance(export, str) or not _NAME.fullmatch(export):
+                raise ValueError(f"JitSpec.exports: export names must be C identifiers, got {export!r}")
+            if not isinstance(expr, str) or not expr.strip() or "\n" in expr or "\r" in expr:
+                raise ValueError(f"JitSpec.exports[{export!r}]: expected a one-line C++ expression, got {expr!r}")
+            exports[export] = expr.strip()
+        if isinstance(self.include_dirs, (str, os.PathLike)):
+            raise TypeError("JitSpec.include_dirs: expected a sequence of paths, got a single path")
+        include_dirs = tuple(Path(p).expanduser().resolve() for p in self.include_dirs)
+        # Frozen: normalise through object.__setattr__ so that equal specs compare equal.
+        object.__setattr__(self, "headers", headers)
+        object.__setattr__(self, "exports", exports)
+        object.__setattr__(self, "include_dirs", include_dirs)
+        object.__setattr__(self, "extra_cuda_cflags", _strings("JitSpec.extra_cuda_cflags", self.extra_cuda_cflags))
+        object.__setattr__(self, "extra_cflags", _strings("JitSpec.extra_cflags", self.extra_cflags))
+        object.__setattr__(self, "extra_ldflags", _strings("JitSpec.extra_ldflags", self.extra_ldflags))
+
+    def __hash__(self) -> int:
+        # The generated __hash__ would choke on the exports dict.
+        return hash(
+            (
+                self.name,
+                self.headers,
+                tuple(self.exports.items()),
+                self.include_dirs,
+                self.extra_cuda_cflags,
+                self.extra_cflags,
+                self.extra_ldflags,
+            )
+        )
+
+    def translation_unit(self) -> str:
+        """The ``.cu`` source the loader compiles: includes, then one export per function.
+
+        It names headers only by their include names, never by absolute path, so
+        that moving the checkout leaves the text (and so the cache key) unchanged.
+        """
+        lines = [f"// Generated by flash_compress.jit for the variant {self.name}; do not edit."]
+        lines += [f"#include <{header}>" for header in _PRELUDE]
+        lines.append("")
+        lines += [f"#include <{header}>" for header in self.headers]
+        lines.append("")
+        # Parenthesised: a template argument list's commas would split the macro arguments.
+        lines += [f"TVM_FFI_DLL_EXPORT_TYPED_FUNC({export}, ({expr}));" for export, expr in self.exports.items()]
+        lines.append("")
+        return "\n".join(lines)

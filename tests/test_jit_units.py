@@ -1,0 +1,385 @@
+"""Unit tests of flash_compress.jit that need no compiler: settings, specs, keys, toolkit lookup, logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from flash_compress.jit import JitBuildError, JitDisabledError, JitSpec, config, cuda_arch_list
+from flash_compress.jit import arch as jit_arch
+from flash_compress.jit import toolchain
+from flash_compress.jit.build_log import failed_command, first_errors
+from flash_compress.jit.cache import MANIFEST, CacheLayout, publish, verify_entry
+from flash_compress.jit.fingerprint import KeyInputs, TreeDigest, folder_name, tree_digest
+from flash_compress.jit.manage import clear_cache, list_entries
+
+JIT_DIR = Path(__file__).resolve().parents[1] / "python" / "flash_compress" / "jit"
+TINY = Path(__file__).resolve().parent / "data" / "jit_tiny"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_config(monkeypatch: pytest.MonkeyPatch):
+    for var in ("FLASH_COMPRESS_CACHE_DIR", "FLASH_COMPRESS_CUDA_ARCH_LIST", "FLASH_COMPRESS_JIT_VERBOSE",
+                "FLASH_COMPRESS_DISABLE_JIT", "FLASH_COMPRESS_JIT_LOCK_TIMEOUT", "MAX_JOBS"):
+        monkeypatch.delenv(var, raising=False)
+    config.reset()
+    yield
+    config.reset()
+
+
+def tiny_spec(**overrides) -> JitSpec:
+    fields = dict(
+        name="tiny",
+        headers=("tiny/tiny.cuh",),
+        exports={"add_value": "jit_tiny::add_value"},
+        include_dirs=(TINY,),
+    )
+    fields.update(overrides)
+    return JitSpec(**fields)
+
+
+# --- settings -----------------------------------------------------------------------------------
+
+
+def test_config_reads_env_at_each_use_and_python_overrides_win(monkeypatch, tmp_path):
+    assert config.cache_dir == Path("~/.cache/flash_compress").expanduser()
+    monkeypatch.setenv("FLASH_COMPRESS_CACHE_DIR", str(tmp_path / "env"))
+    assert config.cache_dir == tmp_path / "env"
+    config.cache_dir = tmp_path / "py"
+    assert config.cache_dir == tmp_path / "py"
+    config.cache_dir = None
+    assert config.cache_dir == tmp_path / "env"
+
+    assert config.verbose is False and config.disable_jit is False and config.max_jobs is None
+    monkeypatch.setenv("FLASH_COMPRESS_JIT_VERBOSE", "1")
+    monkeypatch.setenv("FLASH_COMPRESS_DISABLE_JIT", "true")
+    monkeypatch.setenv("MAX_JOBS", "3")
+    monkeypatch.setenv("FLASH_COMPRESS_JIT_LOCK_TIMEOUT", "7.5")
+    assert config.verbose and config.disable_jit and config.max_jobs == 3 and config.lock_timeout == 7.5
+    config.disable_jit = False
+    assert config.disable_jit is False
+
+
+@pytest.mark.parametrize(("var", "value"), [("MAX_JOBS", "zero"), ("MAX_JOBS", "0"),
+                                            ("FLASH_COMPRESS_DISABLE_JIT", "maybe"),
+                                            ("FLASH_COMPRESS_JIT_LOCK_TIMEOUT", "-1")])
+def test_config_rejects_bad_values_naming_the_variable(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
+        _ = (config.max_jobs, config.disable_jit, config.lock_timeout)
+
+
+def test_arch_list_resolution_order(monkeypatch):
+    monkeypatch.setattr(jit_arch, "detect_gpu_arch_list", lambda: None)
+    assert cuda_arch_list() == ("9.0",)  # no GPU, nothing requested
+    monkeypatch.setattr(jit_arch, "detect_gpu_arch_list", lambda: ("8.0",))
+    assert cuda_arch_list() == ("8.0",)  # the visible GPU
+    monkeypatch.setenv("FLASH_COMPRESS_CUDA_ARCH_LIST", "10.0 9.0")
+    assert cuda_arch_list() == ("9.0", "10.0")  # the environment, sorted
+    config.arch_list = "9.0a"
+    assert cuda_arch_list() == ("9.0a",)  # Python wins
+
+
+def test_arch_list_validation_and_tag():
+    assert jit_arch.normalize_arch_list("9.0;10.0,9.0") == ("9.0", "10.0")
+    assert jit_arch.arch_tag(("9.0", "10.0")) == "sm90-100"
+    assert jit_arch.arch_tag(("9.0a",)) == "sm90a"
+    for bad in ("sm_90", "90", "9", ""):
+        with pytest.raises(ValueError):
+            jit_arch.normalize_arch_list(bad)
+
+
+def test_arch_detection_uses_no_torch_unless_imported(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
+    jit_arch._nvidia_smi_archs.cache_clear()
+    monkeypatch.setenv("PATH", "")  # no nvidia-smi either
+    try:
+        assert jit_arch.detect_gpu_arch_list() is None
+        assert cuda_arch_list() == ("9.0",)
+    finally:
+        jit_arch._nvidia_smi_archs.cache_clear()
+
+
+def test_jit_package_never_imports_torch():
+    for path in JIT_DIR.glob("*.py"):
+        text = path.read_text()
+        assert "import torch" not in text and "from torch" not in text, path
+
+
+# --- specs ---------------------------------------------------------------------------------------
+
+
+def test_spec_translation_unit_is_path_free_and_parenthesises_exports():
+    spec = tiny_spec(exports={"run": "ns::Cls<512, true>::run"})
+    text = spec.translation_unit()
+    assert "#include <tvm/ffi/function.h>" in text
+    assert "#include <tiny/tiny.cuh>" in text
+    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, (ns::Cls<512, true>::run));" in text
+    assert str(TINY) not in text
+    assert spec == tiny_spec(exports={"run": "ns::Cls<512, true>::run"})
+    assert hash(spec) == hash(tiny_spec(exports={"run": "ns::Cls<512, true>::run"}))
+    assert pickle.loads(pickle.dumps(spec)) == spec
+
+
+@pytest.mark.parametrize("bad", [
+    {"name": "has space"}, {"name": "dash-ed"}, {"headers": ()}, {"headers": ("a>b.h",)},
+    {"exports": {}}, {"exports": {"1bad": "f"}}, {"exports": {"f": ""}}, {"include_dirs": "/a/single/path"},
+])
+def test_spec_rejects_malformed_fields(bad):
+    with pytest.raises((ValueError, TypeError)):
+        tiny_spec(**bad)
+
+
+# --- keys ------------------------------------------------------------------------------------------
+
+
+def test_tree_digest_follows_contents_not_location(tmp_path):
+    a = tmp_path / "a"
+    b = tmp_path / "elsewhere" / "b"
+    import shutil
+
+    shutil.copytree(TINY, a)
+    shutil.copytree(TINY, b)
+    assert tree_digest(a) == tree_digest(b) == tree_digest(TINY)
+    (b / "tiny" / ".value.h.swp").write_text("editor droppings")
+    (b / "__pycache__").mkdir()
+    (b / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    assert tree_digest(b) == tree_digest(a)
+    (b / "tiny" / "value.h").write_text((b / "tiny" / "value.h").read_text().replace("= 1", "= 2"))
+    assert tree_digest(b) != tree_digest(a)
+    (a / "tiny" / "new.h").write_text("")
+    assert tree_digest(a).files == tree_digest(TINY).files + 1
+    with pytest.raises(FileNotFoundError):
+        tree_digest(tmp_path / "missing")
+
+
+def _inputs(**overrides) -> KeyInputs:
+    fields = dict(
+        schema=1, name="tiny", source_sha256="s", headers=("h",), exports=(("f", "g"),),
+        include_trees=(TreeDigest(1, "t"),), extra_cuda_cflags=("-O3",), extra_cflags=(), extra_ldflags=(),
+        arch_list=("9.0",), tvm_ffi_version="0.1", package_version="0.1.0", platform="linux-x86_64",
+        nvcc_version="nvcc 13.0", host_compiler="g++ 12", nvcc_env=(),
+    )
+    fields.update(overrides)
+    return KeyInputs(**fields)
+
+
+def test_every_key_input_changes_the_key_and_the_portable_key_ignores_the_toolchain():
+    base = _inputs()
+    for change in ({"arch_list": ("10.0",)}, {"extra_cuda_cflags": ("-O2",)}, {"include_trees": (TreeDigest(1, "u"),)},
+                   {"tvm_ffi_version": "0.2"}, {"package_version": "0.2.0"}, {"source_sha256": "x"},
+                   {"nvcc_version": "nvcc 13.1"}, {"host_compiler": "clang"}, {"nvcc_env": (("NVCC_APPEND_FLAGS", "-G"),)}):
+        assert _inputs(**change).key() != base.key(), change
+    assert _inputs(nvcc_version="nvcc 12.8", host_compiler="clang").portable_key() == base.portable_key()
+    assert _inputs(arch_list=("10.0",)).portable_key() != base.portable_key()
+    with pytest.raises(ValueError):
+        _inputs(nvcc_version=None).key()
+    assert folder_name("tiny", ("9.0", "10.0"), base.key()) == f"tiny_sm90-100_{base.key()[:16]}"
+
+
+# --- toolkit lookup --------------------------------------------------------------------------------
+
+
+def _fake_toolkit(root: Path) -> Path:
+    (root / "bin").mkdir(parents=True)
+    (root / "include").mkdir()
+    (root / "include" / "cuda_runtime.h").write_text("")
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho fake nvcc\n")
+    nvcc.chmod(0o755)
+    return root
+
+
+def test_cuda_home_from_env_then_default_then_path(monkeypatch, tmp_path):
+    home = _fake_toolkit(tmp_path / "cuda-env")
+    monkeypatch.setattr(toolchain, "_DEFAULT_CUDA_HOME", tmp_path / "no-default")
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    assert toolchain.find_cuda_toolkit() == toolchain.CudaToolkit(home, home / "bin" / "nvcc")
+
+    # A CUDA_HOME without headers is not a toolkit; with nothing else around there is none.
+    (home / "include" / "cuda_runtime.h").unlink()
+    assert toolchain.find_cuda_toolkit() is None
+
+    monkeypatch.delenv("CUDA_HOME")
+    other = _fake_toolkit(tmp_path / "cuda-path")
+    monkeypatch.setenv("CUDA_PATH", str(other))
+    assert toolchain.find_cuda_toolkit().home == other
+
+
+def test_cuda_home_behind_a_wrapper_script_on_path(monkeypatch, tmp_path):
+    real = _fake_toolkit(tmp_path / "opt" / "cuda-13.0")
+    wrapper_bin = tmp_path / "usr-local" / "bin"
+    wrapper_bin.mkdir(parents=True)
+    (tmp_path / "usr-local" / "include").mkdir()  # no cuda_runtime.h: the wrapper's parent is no toolkit
+    wrapper = wrapper_bin / "nvcc"
+    wrapper.write_text(f'#!/bin/sh\nexec {real}/bin/nvcc "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(toolchain, "_DEFAULT_CUDA_HOME", tmp_path / "no-default")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(wrapper_bin))
+    assert toolchain.find_cuda_toolkit() == toolchain.CudaToolkit(real, real / "bin" / "nvcc")
+
+
+def test_tool_versions_are_cached_on_disk_by_binary_identity(monkeypatch, tmp_path):
+    calls = tmp_path / "calls"
+    tool = tmp_path / "bin" / "tool"
+    tool.parent.mkdir()
+    tool.write_text(f"#!/bin/sh\necho x >> {calls}\necho tool 1.0\n")
+    tool.chmod(0o755)
+    cache = tmp_path / "cache"
+
+    def fresh_process_version() -> str:
+        toolchain._memory.clear()  # as a new process would start
+        return toolchain.tool_version(tool, ("--version",), cache)
+
+    assert fresh_process_version() == "tool 1.0"
+    assert fresh_process_version() == "tool 1.0"
+    assert calls.read_text().count("x") == 1  # the second "process" ran nothing
+
+    tool.write_text(f"#!/bin/sh\necho x >> {calls}\necho tool 2.0 upgraded\n")  # new size and mtime
+    assert fresh_process_version() == "tool 2.0 upgraded"
+    assert calls.read_text().count("x") == 2
+
+    # An unwritable cache costs only the re-run (its parent is a file, so even root cannot write).
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    toolchain._memory.clear()
+    assert toolchain.tool_version(tool, ("--version",), blocker / "cache") == "tool 2.0 upgraded"
+
+
+# --- logs and errors -------------------------------------------------------------------------------
+
+NINJA_FAILURE = """ninja exited with status 1
+stdout:
+[1/2] /usr/local/cuda/bin/nvcc -c /s/t.cu -o cuda_0.o
+FAILED: [code=2] cuda_0.o
+/usr/local/cuda/bin/nvcc -c /s/t.cu -o cuda_0.o
+/s/t.cu(3): error: identifier "undefined_thing" is undefined
+  int broken() { return undefined_thing + 1; }
+                        ^
+
+1 error detected in the compilation of "/s/t.cu".
+ninja: build stopped: subcommand failed.
+"""
+
+
+def test_first_errors_and_failed_command_from_ninja_output():
+    errors = first_errors(NINJA_FAILURE)
+    assert errors[0] == '/s/t.cu(3): error: identifier "undefined_thing" is undefined'
+    assert "undefined_thing + 1" in errors[1]
+    assert not any(line.startswith(("FAILED", "ninja:")) for line in errors)
+    assert failed_command(NINJA_FAILURE) == "/usr/local/cuda/bin/nvcc -c /s/t.cu -o cuda_0.o"
+    many = "\n".join(f"f.cu({i}): error: e{i}\n  ctx\n  ^" for i in range(50))
+    assert len(first_errors(many)) == 20
+    assert first_errors("no problem words\nlast line") == ("no problem words", "last line")
+
+
+def test_errors_carry_their_fields_and_survive_pickling(tmp_path):
+    error = JitBuildError("tiny_sm90_0123", "nvcc -c x.cu", ("x.cu(1): error: bad",), tmp_path / "log")
+    for e in (error, pickle.loads(pickle.dumps(error))):
+        assert isinstance(e, RuntimeError)
+        assert (e.variant, e.command, e.first_errors, e.log_path) == error.__reduce__()[1]
+        for part in ("tiny_sm90_0123", "nvcc -c x.cu", "x.cu(1): error: bad", str(tmp_path / "log")):
+            assert part in str(e)
+    disabled = JitDisabledError("tiny_sm90_0123", "FLASH_COMPRESS_DISABLE_JIT=1 forbids compiling", tmp_path)
+    assert "tiny_sm90_0123" in str(disabled) and "python -m flash_compress prebuild" in str(disabled)
+    assert pickle.loads(pickle.dumps(disabled)).reason == disabled.reason
+
+
+# --- cache layout ------------------------------------------------------------------------------------
+
+
+def _fake_entry(root: Path, folder: str, name: str, payload: bytes = b"so bytes") -> Path:
+    import hashlib
+
+    entry = root / folder
+    entry.mkdir(parents=True)
+    (entry / f"{name}.so").write_bytes(payload)
+    manifest = {"folder": folder, "name": name, "key": folder[-16:] * 4, "arch_list": ["9.0"],
+                "library": f"{name}.so", "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+                "built_at": 1.0e9, "build_seconds": 2.5}
+    (entry / MANIFEST).write_text(json.dumps(manifest))
+    return entry
+
+
+def test_verify_entry_catches_truncation_and_corruption(tmp_path):
+    entry = _fake_entry(tmp_path, "tiny_sm90_0123456789abcdef", "tiny")
+    assert verify_entry(entry).library == entry / "tiny.so"
+    assert verify_entry(entry, key="other").library is None
+    (entry / "tiny.so").write_bytes(b"so bytez")  # same size, other bytes
+    assert "sha256" in verify_entry(entry).problem
+    (entry / "tiny.so").write_bytes(b"so")
+    assert "bytes" in verify_entry(entry).problem
+    (entry / MANIFEST).write_text("{not json")
+    assert "manifest" in verify_entry(entry).problem
+    assert not verify_entry(tmp_path / "absent").exists
+
+
+def test_publish_first_writer_wins(tmp_path):
+    layout = CacheLayout(tmp_path)
+    first, second = layout.new_staging("v"), layout.new_staging("v")
+    (first / "who").write_text("first")
+    (second / "who").write_text("second")
+    assert publish(first, tmp_path / "v") is True
+    assert publish(second, tmp_path / "v") is False
+    assert (tmp_path / "v" / "who").read_text() == "first"
+    assert not second.exists()
+
+
+def test_list_and_clear_entries(tmp_path):
+    _fake_entry(tmp_path, "alpha_sm90_0000000000000001", "alpha")
+    _fake_entry(tmp_path, "beta_sm90_0000000000000002", "beta")
+    (tmp_path / "failed").mkdir()
+    (tmp_path / "failed" / "x.log").write_text("old failure")
+    infos = list_entries(tmp_path)
+    assert [i.name for i in infos] == ["alpha", "beta"]
+    assert infos[0].arch_list == ("9.0",) and infos[0].intact and infos[0].size > len(b"so bytes")
+    assert clear_cache(tmp_path, name_prefix="al") == ["alpha_sm90_0000000000000001"]
+    assert [i.name for i in list_entries(tmp_path)] == ["beta"]
+    assert clear_cache(tmp_path) == ["beta_sm90_0000000000000002"]
+    assert list_entries(tmp_path) == [] and not (tmp_path / "failed").exists()
+    assert list_entries(tmp_path / "never-made") == [] and clear_cache(tmp_path / "never-made") == []
+
+
+def test_status_and_clear_commands_print_tables(tmp_path, capsys):
+    from flash_compress.jit import cli
+
+    _fake_entry(tmp_path, "alpha_sm90_0000000000000001", "alpha")
+    assert cli.status(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "alpha_sm90_0000000000000001" in out and "9.0" in out and "ok" in out
+    assert cli.clear(tmp_path, name_prefix="alpha") == 0
+    assert "removed alpha_sm90_0000000000000001" in capsys.readouterr().out
+    assert cli.status(tmp_path) == 0
+    assert "(empty)" in capsys.readouterr().out
+
+
+def test_source_roots_point_at_the_checkout():
+    from flash_compress._paths import source_roots
+
+    csrc, include = source_roots()
+    assert csrc.name == "csrc" and include.name == "include"
+    assert csrc.is_dir() and include.is_dir()
+
+
+def test_lock_dir_permissions_do_not_matter_for_reads(tmp_path):
+    # verify_entry only reads: a read-only entry verifies.
+    entry = _fake_entry(tmp_path, "ro_sm90_0000000000000003", "ro")
+    for path in (entry / "ro.so", entry / MANIFEST, entry):
+        path.chmod(stat.S_IRUSR | stat.S_IXUSR if path.is_dir() else stat.S_IRUSR)
+    try:
+        assert verify_entry(entry).library is not None
+    finally:
+        entry.chmod(0o755)
+        for path in entry.iterdir():
+            path.chmod(0o644)
+    assert os.access(entry, os.W_OK)
