@@ -417,19 +417,19 @@ struct PlanCounts {
 inline PlanCounts plan_segments(const int64_t* extend_lens, const int64_t* seq_lens, int64_t batch_size,
                                 PrefillPlan* compress_plan, PrefillPlan* write_plan) {
   PlanCounts counts{0, 0};
-  uint32_t ragged_start = 0;  // ragged row of the request's first new token
+  // 64-bit on purpose: the chunk end after a seq_len near 2^32 overflows uint32.
+  int64_t ragged_start = 0;  // ragged row of the request's first new token
   for (int64_t b = 0; b < batch_size; ++b) {
-    const auto seq_len = static_cast<uint32_t>(seq_lens[b]);
-    const auto extend_len = static_cast<uint32_t>(extend_lens[b]);
-    const uint32_t prefix_len = seq_len - extend_len;
-    for (uint32_t begin = prefix_len; begin < seq_len;) {
-      const uint32_t chunk_end = (begin / kChunk + 1) * kChunk;
-      const uint32_t end = std::min(seq_len, chunk_end);
+    const int64_t seq_len = seq_lens[b];
+    const int64_t prefix_len = seq_len - extend_lens[b];
+    for (int64_t begin = prefix_len; begin < seq_len;) {
+      const int64_t chunk_end = (begin / kChunk + 1) * kChunk;
+      const int64_t end = std::min(seq_len, chunk_end);
       const PrefillPlan row{
-          .ragged_id = ragged_start + (end - 1 - prefix_len),
+          .ragged_id = static_cast<uint32_t>(ragged_start + (end - 1 - prefix_len)),
           .batch_id = static_cast<uint32_t>(b),
-          .position = end - 1,
-          .window_len = end - begin,
+          .position = static_cast<uint32_t>(end - 1),
+          .window_len = static_cast<uint32_t>(end - begin),
       };
       if (end == chunk_end) {
         compress_plan[counts.num_compress++] = row;
@@ -438,7 +438,7 @@ inline PlanCounts plan_segments(const int64_t* extend_lens, const int64_t* seq_l
       }
       begin = end;
     }
-    ragged_start += extend_len;
+    ragged_start += extend_lens[b];
   }
   return counts;
 }

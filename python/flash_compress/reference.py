@@ -1,0 +1,470 @@
+"""Pure-PyTorch reference of the online c128 compressor (``SPEC.md`` sections 1-4).
+
+The three functions here have the same names, signatures and in-place
+semantics as the compiled tvm-ffi module (``flash_compress.load_module``):
+
+- :func:`run_decode` adds one token per request to its running state;
+- :func:`run_prefill` runs a planned chunked prefill (compress pass, then
+  write pass);
+- :func:`plan_online_prefill` cuts a prefill into per-chunk segments and
+  writes the 16-byte plan rows.
+
+They take tensors on any device (CPU or CUDA) and are written to be plainly
+right, not fast: every value is cast to float64, the arithmetic follows the
+SPEC's formulas literally, and only the final results are cast back to the
+dtype of the tensor they are written to. It is the test oracle's partner and
+the CPU fallback.
+
+Softmax state layout, per slot and channel ``d`` (``D = head_dim``)::
+
+    kv_score_buffer[slot, 0] = [ max (D) | sum (D) | kv (D) ]
+
+where ``kv`` is the already normalised weighted mean of the chunk's tokens.
+
+Checks that need the values of device tensors (indices in range, seq_len >= 1,
+plan rows that fit the input) are done here too, by reading the values back:
+the reference raises :class:`ValueError` where the kernels would skip.
+Everything is validated before anything is written.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CHUNK",
+    "PLAN_ROW_BYTES",
+    "PLAN_SENTINEL",
+    "MAX_LENGTH",
+    "decode_plan",
+    "encode_plan",
+    "plan_segments",
+    "plan_online_prefill",
+    "run_decode",
+    "run_prefill",
+]
+
+#: Tokens per compressed chunk.
+CHUNK = 128
+#: Bytes in one plan row: ``{ragged_id, batch_id, position, window_len}`` as 4 little-endian uint32.
+PLAN_ROW_BYTES = 16
+#: A plan row whose ``ragged_id`` is this value is padding (all 16 bytes are 0xFF); kernels skip it.
+PLAN_SENTINEL = 0xFFFFFFFF
+#: Largest seq_len and largest sum(extend_lens) the planner accepts: ragged ids and
+#: positions are uint32 and the all-ones value is the sentinel.
+MAX_LENGTH = 0xFFFFFFFF - 1
+
+_LENGTH_DTYPES = (torch.int64, torch.int32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# ---------------------------------------------------------------------------
+# Plan rows.
+# ---------------------------------------------------------------------------
+
+
+def decode_plan(plan: torch.Tensor) -> np.ndarray:
+    """Decodes a ``[M, 16]`` uint8 plan tensor (any device) to an ``[M, 4]`` int64 array.
+
+    Columns are ``ragged_id, batch_id, position, window_len``, each read as a
+    little-endian uint32 (so a sentinel row reads as four ``0xFFFFFFFF``).
+    """
+    _check_plan_tensor(plan, "plan")
+    raw = plan.detach().to("cpu").contiguous().numpy()
+    return raw.reshape(-1).view("<u4").reshape(-1, 4).astype(np.int64)
+
+
+def encode_plan(rows) -> torch.Tensor:
+    """Encodes rows ``(ragged_id, batch_id, position, window_len)`` as a ``[M, 16]`` uint8 CPU tensor."""
+    array = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+    if array.size and (array.min() < 0 or array.max() > PLAN_SENTINEL):
+        raise ValueError("encode_plan: every field must fit in a uint32")
+    raw = array.astype("<u4").reshape(-1).view(np.uint8).reshape(-1, PLAN_ROW_BYTES)
+    return torch.from_numpy(raw.copy())
+
+
+def plan_segments(extend_lens, seq_lens) -> tuple[np.ndarray, np.ndarray]:
+    """Cuts a prefill into segments: returns ``(compress_rows, write_rows)`` as ``[n, 4]`` int64 arrays.
+
+    ``extend_lens`` and ``seq_lens`` are sequences of ints (already validated).
+    Request ``b``'s new tokens are positions ``seq_len - extend_len .. seq_len - 1``
+    and ragged rows ``sum(extend_lens[:b]) ..``. They are cut at every chunk
+    boundary; a segment whose last token closes a chunk (``position % 128 == 127``)
+    is a compress row, the trailing partial segment (if any) a write row. Rows
+    are ``(ragged_id, batch_id, position, window_len)`` of the segment's LAST
+    token, requests in order and, within a request, segments in position order.
+    """
+    compress: list[np.ndarray] = []
+    write: list[tuple[int, int, int, int]] = []
+    ragged_start = 0
+    for batch, (extend, seq) in enumerate(zip(extend_lens, seq_lens)):
+        extend, seq = int(extend), int(seq)
+        prefix = seq - extend  # position of the request's first new token
+        # Positions in [prefix, seq) that close a chunk: p = 128k + 127.
+        first_close = prefix + (CHUNK - 1 - prefix % CHUNK)
+        closes = np.arange(first_close, seq, CHUNK, dtype=np.int64)
+        if closes.size:
+            ragged = ragged_start + (closes - prefix)
+            window = np.minimum(CHUNK, closes - prefix + 1)
+            compress.append(np.stack([ragged, np.full_like(closes, batch), closes, window], axis=1))
+        last = seq - 1
+        if last % CHUNK != CHUNK - 1:
+            window = min(last % CHUNK + 1, extend)
+            write.append((ragged_start + extend - 1, batch, last, window))
+        ragged_start += extend
+    compress_rows = np.concatenate(compress) if compress else np.zeros((0, 4), dtype=np.int64)
+    write_rows = np.asarray(write, dtype=np.int64).reshape(-1, 4)
+    return compress_rows, write_rows
+
+
+def _check_plan_tensor(plan, name: str) -> None:
+    if not isinstance(plan, torch.Tensor):
+        raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(plan).__name__}")
+    if plan.dtype != torch.uint8:
+        raise TypeError(f"argument '{name}': expected dtype uint8, got {plan.dtype}")
+    if plan.dim() != 2 or plan.shape[1] != PLAN_ROW_BYTES:
+        raise ValueError(f"argument '{name}': expected shape [M, {PLAN_ROW_BYTES}], got {list(plan.shape)}")
+
+
+def _host_lengths(lengths, name: str) -> list[int]:
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(lengths).__name__}")
+    if lengths.dtype not in _LENGTH_DTYPES:
+        raise TypeError(f"argument '{name}': expected dtype int64 (or int32), got {lengths.dtype}")
+    if lengths.dim() != 1:
+        raise ValueError(f"argument '{name}': expected a 1-D tensor [B], got shape {list(lengths.shape)}")
+    return [int(x) for x in lengths.detach().to("cpu").tolist()]
+
+
+def plan_online_prefill(
+    extend_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    compress_plan: torch.Tensor,
+    write_plan: torch.Tensor,
+    use_cuda_graph: bool,
+) -> tuple[int, int]:
+    """Plans an online prefill; writes the plan rows in place and returns ``(num_compress, num_write)``.
+
+    ``extend_lens`` and ``seq_lens`` are ``[B]`` int64 (int32 accepted) tensors;
+    ``seq_lens`` include the new tokens. ``compress_plan`` and ``write_plan`` are
+    contiguous ``[M, 16]`` uint8 tensors with ``M = sum(extend_lens)``. Rows
+    ``0 .. num_compress`` of ``compress_plan`` and ``0 .. num_write`` of
+    ``write_plan`` are written (see :func:`plan_segments` for their content and
+    order); the remaining rows are left untouched, unless ``use_cuda_graph``, in
+    which case they are filled with all-0xFF sentinel rows and ``(M, M)`` is
+    returned.
+
+    Raises :class:`TypeError` for a wrong type or dtype and :class:`ValueError`
+    (naming the argument) for a wrong shape, ``not 0 < extend_len <= seq_len``,
+    ``seq_len > MAX_LENGTH`` or ``sum(extend_lens) != M``. Nothing is written
+    when it raises.
+    """
+    extend = _host_lengths(extend_lens, "extend_lens")
+    seq = _host_lengths(seq_lens, "seq_lens")
+    if len(extend) != len(seq):
+        raise ValueError(
+            f"argument 'seq_lens': expected shape [{len(extend)}] like extend_lens, got [{len(seq)}]"
+        )
+    _check_plan_tensor(compress_plan, "compress_plan")
+    _check_plan_tensor(write_plan, "write_plan")
+    for plan, name in ((compress_plan, "compress_plan"), (write_plan, "write_plan")):
+        if not plan.is_contiguous():
+            raise ValueError(f"argument '{name}': expected a contiguous tensor")
+    if write_plan.shape[0] != compress_plan.shape[0]:
+        raise ValueError(
+            f"argument 'write_plan': expected {compress_plan.shape[0]} rows like compress_plan, "
+            f"got {write_plan.shape[0]}"
+        )
+    if not isinstance(use_cuda_graph, (bool, np.bool_)):
+        raise TypeError(f"argument 'use_cuda_graph': expected a bool, got {type(use_cuda_graph).__name__}")
+    total = 0
+    for b, (e, s) in enumerate(zip(extend, seq)):
+        if not 0 < e <= s:
+            raise ValueError(
+                f"argument 'extend_lens': expected 0 < extend_lens[{b}] <= seq_lens[{b}], "
+                f"got extend_lens[{b}] = {e} and seq_lens[{b}] = {s}"
+            )
+        if s > MAX_LENGTH:
+            raise ValueError(f"argument 'seq_lens': expected seq_lens[{b}] <= {MAX_LENGTH}, got {s}")
+        total += e
+    if total > MAX_LENGTH:
+        raise ValueError(f"argument 'extend_lens': expected a sum <= {MAX_LENGTH}, got {total}")
+    num_rows = compress_plan.shape[0]
+    if total != num_rows:
+        raise ValueError(
+            f"argument 'compress_plan': expected [sum(extend_lens), 16] = [{total}, 16] "
+            f"(write_plan too), got [{num_rows}, 16]"
+        )
+
+    compress_rows, write_rows = plan_segments(extend, seq)
+    num_compress, num_write = len(compress_rows), len(write_rows)
+    if num_compress:
+        compress_plan[:num_compress].copy_(encode_plan(compress_rows))
+    if num_write:
+        write_plan[:num_write].copy_(encode_plan(write_rows))
+    if not use_cuda_graph:
+        return num_compress, num_write
+    compress_plan[num_compress:].fill_(0xFF)
+    write_plan[num_write:].fill_(0xFF)
+    return num_rows, num_rows
+
+
+# ---------------------------------------------------------------------------
+# Softmax states in float64.
+# ---------------------------------------------------------------------------
+
+
+def _merge(m1, s1, k1, m2, s2, k2):
+    """SPEC 1's merge of two partial states ``(max, sum, kv)``, all float64."""
+    m = torch.maximum(m1, m2)
+    a = s1 * torch.exp(m1 - m)
+    b = s2 * torch.exp(m2 - m)
+    total = a + b
+    return m, total, (k1 * a + k2 * b) / total
+
+
+def _segment_state(kv: torch.Tensor, s: torch.Tensor):
+    """The state ``(max, sum, kv)`` of a set of tokens: ``kv``, ``s`` are ``[T, D]`` float64 (s includes ape)."""
+    m = s.max(dim=0).values
+    w = torch.exp(s - m)
+    total = w.sum(dim=0)
+    return m, total, (w * kv).sum(dim=0) / total
+
+
+def _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape) -> int:
+    """Checks the shapes shared by both run functions; returns head_dim."""
+    tensors = {
+        "kv_score_buffer": kv_score_buffer,
+        "kv_score_input": kv_score_input,
+        "kv_compressed_output": kv_compressed_output,
+        "ape": ape,
+    }
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"argument '{name}': expected a floating-point tensor, got {t.dtype}")
+    if ape.dim() != 2 or ape.shape[0] != CHUNK:
+        raise ValueError(f"argument 'ape': expected shape [{CHUNK}, D], got {list(ape.shape)}")
+    d = ape.shape[1]
+    if kv_score_buffer.dim() != 3 or kv_score_buffer.shape[1] != 1 or kv_score_buffer.shape[2] != 3 * d:
+        raise ValueError(
+            f"argument 'kv_score_buffer': expected shape [S, 1, {3 * d}], got {list(kv_score_buffer.shape)}"
+        )
+    if kv_score_input.dim() != 2 or kv_score_input.shape[1] != 2 * d:
+        raise ValueError(f"argument 'kv_score_input': expected shape [N, {2 * d}], got {list(kv_score_input.shape)}")
+    if kv_compressed_output.dim() != 2 or list(kv_compressed_output.shape) != [kv_score_input.shape[0], d]:
+        raise ValueError(
+            f"argument 'kv_compressed_output': expected shape [{kv_score_input.shape[0]}, {d}], "
+            f"got {list(kv_compressed_output.shape)}"
+        )
+    device = kv_score_buffer.device
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"argument '{name}': expected device {device} like kv_score_buffer, got {t.device}")
+    return d
+
+
+def _slot_indices(indices, name: str, batch: int, num_slots: int, device) -> torch.Tensor:
+    """Validates an ``[B]`` slot index tensor; returns it as int64 on ``device``."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"argument '{name}': expected dtype int32, got {indices.dtype}")
+    if indices.dim() != 1 or indices.shape[0] != batch:
+        raise ValueError(f"argument '{name}': expected shape [{batch}], got {list(indices.shape)}")
+    if indices.device != device:
+        raise ValueError(f"argument '{name}': expected device {device} like kv_score_buffer, got {indices.device}")
+    out = indices.to(torch.int64)
+    if batch and (int(out.min()) < 0 or int(out.max()) >= num_slots):
+        raise ValueError(f"argument '{name}': expected every slot in [0, {num_slots}), got {out.tolist()}")
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Decode.
+# ---------------------------------------------------------------------------
+
+
+def run_decode(
+    kv_score_buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    kv_compressed_output: torch.Tensor,
+    ape: torch.Tensor,
+    indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extra=None,
+) -> None:
+    """One decode step: adds token ``b`` (row ``b`` of ``kv_score_input``) to slot ``indices[b]``.
+
+    The token sits at position ``seq_lens[b] - 1`` (``seq_lens`` include it);
+    ``j = position % 128``, ``s = score + ape[j]``, ``v = kv``. Then, exactly as
+    SPEC 1 and 3 say:
+
+    - ``j == 0``: the slot's state becomes ``(s, 1, v)`` (the old one is not read);
+    - ``j == 127``: ``kv_compressed_output[b]`` gets the chunk's normalised kv,
+      the state is left alone;
+    - otherwise: the slot gets the updated state, ``kv_compressed_output[b]`` is untouched.
+
+    ``extra`` is unused. Shapes: buffer ``[S, 1, 3D]``, input ``[B, 2D]``, output
+    ``[B, D]``, ape ``[128, D]``, indices and seq_lens ``[B]`` int32. Returns None.
+    """
+    d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape)
+    batch = kv_score_input.shape[0]
+    device = kv_score_buffer.device
+    slots = _slot_indices(indices, "indices", batch, kv_score_buffer.shape[0], device)
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"argument 'seq_lens': expected an int32 tensor, got {getattr(seq_lens, 'dtype', seq_lens)}")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != batch:
+        raise ValueError(f"argument 'seq_lens': expected shape [{batch}], got {list(seq_lens.shape)}")
+    if seq_lens.device != device:
+        raise ValueError(f"argument 'seq_lens': expected device {device} like kv_score_buffer, got {seq_lens.device}")
+    if batch == 0:
+        return
+    position = seq_lens.to(torch.int64) - 1
+    if int(position.min()) < 0:
+        raise ValueError(f"argument 'seq_lens': expected every seq_len >= 1, got {seq_lens.tolist()}")
+    j = position % CHUNK
+
+    x = kv_score_input.to(torch.float64)
+    v = x[:, :d]
+    s = x[:, d:] + ape.to(torch.float64)[j]
+    state = kv_score_buffer[slots, 0].to(torch.float64)
+    m, total, kv = state[:, :d], state[:, d : 2 * d], state[:, 2 * d :]
+
+    # Online update; rows with j == 0 take the reset state instead (their old
+    # state may be garbage, torch.where does not let it leak).
+    new_m = torch.maximum(m, s)
+    a = total * torch.exp(m - new_m)
+    e = torch.exp(s - new_m)
+    new_total = a + e
+    new_kv = (kv * a + v * e) / new_total
+    reset = (j == 0)[:, None]
+    new_m = torch.where(reset, s, new_m)
+    new_total = torch.where(reset, torch.ones_like(new_total), new_total)
+    new_kv = torch.where(reset, v, new_kv)
+
+    closes = j == CHUNK - 1
+    if bool(closes.any()):
+        kv_compressed_output[closes] = new_kv[closes].to(kv_compressed_output.dtype)
+    keep = ~closes
+    if bool(keep.any()):
+        new_state = torch.cat([new_m, new_total, new_kv], dim=1)[keep]
+        kv_score_buffer[slots[keep], 0] = new_state.to(kv_score_buffer.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Prefill.
+# ---------------------------------------------------------------------------
+
+
+def _live_rows(plan: torch.Tensor, name: str, num_tokens: int, batch: int, compress: bool) -> np.ndarray:
+    """Decodes a plan, drops sentinel rows and validates the rest against the input sizes."""
+    rows = decode_plan(plan)
+    rows = rows[rows[:, 0] != PLAN_SENTINEL]
+    for ragged, b, position, window in rows.tolist():
+        offset = position % CHUNK
+        problem = None
+        if not 1 <= window <= CHUNK:
+            problem = f"window_len {window} not in [1, {CHUNK}]"
+        elif ragged >= num_tokens or ragged - window + 1 < 0:
+            problem = f"ragged rows {ragged - window + 1}..{ragged} outside the input's {num_tokens} rows"
+        elif b >= batch:
+            problem = f"batch_id {b} outside the batch of {batch}"
+        elif offset - window + 1 < 0:
+            problem = f"window_len {window} crosses a chunk start (position {position})"
+        elif compress and offset != CHUNK - 1:
+            problem = f"compress row at position {position} does not close a chunk"
+        elif not compress and offset == CHUNK - 1:
+            problem = f"write row at position {position} closes a chunk"
+        if problem:
+            raise ValueError(f"argument '{name}': bad row {(ragged, b, position, window)}: {problem}")
+    return rows
+
+
+def _prefill_row_state(row, x: torch.Tensor, ape64: torch.Tensor, prior: torch.Tensor, d: int):
+    """The state after segment ``row``: its tokens' softmax, merged with ``prior`` unless it starts a chunk."""
+    ragged, _, position, window = (int(v) for v in row)
+    end = position % CHUNK
+    start = end - window + 1
+    tokens = x[ragged - window + 1 : ragged + 1]
+    state = _segment_state(tokens[:, :d], tokens[:, d:] + ape64[start : end + 1])
+    if start > 0:
+        prior64 = prior.to(torch.float64)
+        state = _merge(prior64[:d], prior64[d : 2 * d], prior64[2 * d :], *state)
+    return state
+
+
+def run_prefill(
+    kv_score_buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    kv_compressed_output: torch.Tensor,
+    ape: torch.Tensor,
+    indices: torch.Tensor,
+    compress_plan: torch.Tensor,
+    write_plan: torch.Tensor,
+    load_indices: Optional[torch.Tensor] = None,
+) -> None:
+    """A planned chunked prefill; updates ``kv_compressed_output`` and ``kv_score_buffer`` in place.
+
+    ``kv_score_input`` holds the ragged new tokens of all requests ``[N, 2D]``;
+    ``indices[b]`` is the slot request ``b`` writes its state to and
+    ``load_indices[b]`` (default: ``indices[b]``) the slot its prior state is
+    read from. Plans are ``[M, 16]`` uint8 rows from :func:`plan_online_prefill`
+    (sliced to the returned counts, or padded with sentinel rows, which are
+    skipped). For every row, the segment is the ``window_len`` tokens ending at
+    ragged row ``ragged_id`` / chunk offset ``position % 128``; its state is the
+    per-channel softmax over them of ``score + ape[offset]``, merged (SPEC 1)
+    with the prior state of ``load_indices[batch_id]`` when the segment does not
+    start at offset 0.
+
+    1. Compress pass, all rows first: ``kv_compressed_output[ragged_id]`` = the
+       state's kv. The buffer is never written.
+    2. Write pass: every row's prior state is read, then ``kv_score_buffer[indices[batch_id], 0]``
+       = ``[max | sum | kv]``.
+
+    Raises :class:`ValueError` (nothing written) for malformed rows or slots out of range.
+    """
+    d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape)
+    num_tokens = kv_score_input.shape[0]
+    device = kv_score_buffer.device
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"argument 'indices': expected a torch.Tensor, got {type(indices).__name__}")
+    if indices.dim() != 1:
+        raise ValueError(f"argument 'indices': expected a 1-D tensor [B], got shape {list(indices.shape)}")
+    batch = indices.shape[0]
+    slots = _slot_indices(indices, "indices", batch, kv_score_buffer.shape[0], device)
+    if load_indices is None:
+        load_slots = slots
+    else:
+        load_slots = _slot_indices(load_indices, "load_indices", batch, kv_score_buffer.shape[0], device)
+    compress_rows = _live_rows(compress_plan, "compress_plan", num_tokens, batch, compress=True)
+    write_rows = _live_rows(write_plan, "write_plan", num_tokens, batch, compress=False)
+    if not len(compress_rows) and not len(write_rows):
+        return
+
+    x = kv_score_input.to(torch.float64)
+    ape64 = ape.to(torch.float64)
+    load_list = load_slots.tolist()
+    store_list = slots.tolist()
+
+    # 1. Compress pass: reads prior states, writes only output rows.
+    outputs = []
+    for row in compress_rows:
+        prior = kv_score_buffer[load_list[int(row[1])], 0]
+        _, _, kv = _prefill_row_state(row, x, ape64, prior, d)
+        outputs.append((int(row[0]), kv))
+    for ragged, kv in outputs:
+        kv_compressed_output[ragged] = kv.to(kv_compressed_output.dtype)
+
+    # 2. Write pass: every prior state is read before any state is stored.
+    states = []
+    for row in write_rows:
+        b = int(row[1])
+        prior = kv_score_buffer[load_list[b], 0]
+        states.append((store_list[b], torch.cat(_prefill_row_state(row, x, ape64, prior, d))))
+    for slot, state in states:
+        kv_score_buffer[slot, 0] = state.to(kv_score_buffer.dtype)

@@ -1,0 +1,114 @@
+"""The compiled kernels on a CUDA GPU against the float64 offline oracle (skipped without a GPU).
+
+Every variant ``(head_dim, use_pdl)`` for head_dim 128, 256, 512 and PDL off /
+on runs random mixed schedules through ``tests/schedule.py``: chunked prefill
+of random sizes interleaved with decode steps, requests moving to new slots
+through ``load_indices``, plans with and without ``use_cuda_graph``, outputs
+poisoned with NaN so rows that must be written and rows that must stay
+untouched are both checked, and untouched slots checked bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_compress import reference as ref
+from schedule import CHUNK, ScheduleHarness, plan_with, run_schedule
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = (128, 256, 512)
+PDL = (False, True)
+
+_modules: dict[tuple[int, bool], object] = {}
+
+
+def kernels(head_dim: int, use_pdl: bool):
+    """The compiled variant (built once per session, then cached on disk)."""
+    key = (head_dim, use_pdl)
+    if key not in _modules:
+        import flash_compress
+
+        _modules[key] = flash_compress.load_module(head_dim=head_dim, use_pdl=use_pdl)
+    return _modules[key]
+
+
+@pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_random_mixed_schedule(gpu, head_dim, use_pdl):
+    module = kernels(head_dim, use_pdl)
+    stats = run_schedule(module, head_dim=head_dim, device="cuda", steps=80, seed=head_dim + int(use_pdl),
+                         num_slots=16, max_requests=6)
+    assert stats.rows_checked > 0 and stats.states_checked > 0
+    assert stats.relocations > 0 and 0 < stats.cuda_graph_plans < stats.prefill_calls
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["plain_plans", "cuda_graph_plans"])
+@pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])
+def test_prefill_heavy_schedule_with_relocation(gpu, use_pdl, cuda_graph):
+    module = kernels(512, use_pdl)
+    stats = run_schedule(module, head_dim=512, device="cuda", steps=40, seed=100 + int(use_pdl),
+                         decode_prob=0.25, relocate_prob=0.6, cuda_graph=cuda_graph, max_step_tokens=2048,
+                         num_slots=20, max_requests=8)
+    assert stats.relocations_mid_chunk > 0 and stats.max_boundaries_crossed >= 2
+    assert stats.cuda_graph_plans == (stats.prefill_calls if cuda_graph else 0)
+
+
+@pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])
+def test_decode_through_several_chunks(gpu, use_pdl):
+    module = kernels(256, use_pdl)
+    h = ScheduleHarness(module, head_dim=256, device="cuda", seed=7, num_slots=8)
+    batch = [h.start_request() for _ in range(4)]
+    h.prefill_step([(batch[1], 100, None), (batch[2], 127, None), (batch[3], 129, None)])
+    for _ in range(2 * CHUNK + 3):
+        h.decode_step(batch)
+    h.check_live_states()
+    assert h.stats.decode_closes >= 8
+
+
+def test_planner_from_reference_kernels_from_module(gpu):
+    """The kernels accept the reference planner's plans (the same bytes) too."""
+    module = kernels(128, True)
+    run_schedule(module, head_dim=128, device="cuda", steps=30, seed=5, planner=ref)
+
+
+def test_reference_on_cuda_tensors(gpu):
+    run_schedule(ref, head_dim=128, device="cuda", steps=20, seed=6)
+
+
+@pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])
+def test_empty_batch_and_empty_plans_are_noops(gpu, use_pdl):
+    d = 128
+    module = kernels(d, use_pdl)
+    dev = "cuda"
+    buf = torch.randn(4, 1, 3 * d, device=dev)
+    before = buf.clone()
+    ape = torch.randn(CHUNK, d, device=dev)
+    none_i32 = torch.empty(0, dtype=torch.int32, device=dev)
+    module.run_decode(buf, torch.empty(0, 2 * d, device=dev), torch.empty(0, d, device=dev), ape, none_i32,
+                      none_i32, None)
+    empty_plan = torch.empty(0, 16, dtype=torch.uint8, device=dev)
+    module.run_prefill(buf, torch.empty(0, 2 * d, device=dev), torch.empty(0, d, device=dev), ape, none_i32,
+                       empty_plan, empty_plan, None)
+    # A batch whose plans are all sentinel rows (cuda-graph padding only): nothing is written.
+    inp = torch.randn(5, 2 * d, device=dev)
+    out = torch.full((5, d), float("nan"), device=dev)
+    pad = torch.full((5, 16), 0xFF, dtype=torch.uint8, device=dev)
+    idx = torch.tensor([1], dtype=torch.int32, device=dev)
+    module.run_prefill(buf, inp, out, ape, idx, pad, pad.clone(), idx)
+    torch.cuda.synchronize()
+    assert torch.equal(buf, before) and torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])
+def test_compress_only_plan_leaves_buffer_alone(gpu, use_pdl):
+    """A prefill that ends exactly at a chunk end has no write row: the buffer is not touched."""
+    d = 256
+    module = kernels(d, use_pdl)
+    h = ScheduleHarness(module, head_dim=d, device="cuda", seed=9, num_slots=6, max_requests=2)
+    request = h.start_request()
+    h.prefill_step([(request, 200, None)])
+    h.prefill_step([(request, 56, h.free_slots[0])], use_cuda_graph=True)  # reads old slot, closes chunk 1
+    counts, _, _ = plan_with(module, [56], [256], False)
+    assert counts == (1, 0)
