@@ -1,0 +1,69 @@
+"""Command line: ``python -m flash_compress {demo,prebuild,status,clear}``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m flash_compress",
+        description="flash-compress: DeepSeek-V4's online c128 KV compressor, JIT-compiled with tvm-ffi.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser("demo", help="build the kernels, run a DeepSeek-V4-sized job and check it")
+    demo.add_argument("--batch", type=int, default=8, help="requests (default 8)")
+    demo.add_argument("--prefill-len", type=int, default=4096, help="new tokens per request (default 4096)")
+    demo.add_argument("--decode-steps", type=int, default=300, help="decode steps after the prefill (default 300)")
+    demo.add_argument("--seed", type=int, default=0)
+
+    prebuild = commands.add_parser("prebuild", help="compile a grid of variants into the cache (no GPU needed)")
+    prebuild.add_argument("--head-dim", type=int, nargs="+", default=[128, 256, 512], help="default: 128 256 512")
+    prebuild.add_argument("--pdl", type=int, nargs="+", choices=[0, 1], default=[0, 1], help="default: 0 1")
+    prebuild.add_argument("--arch", nargs="+", default=None, help='CUDA archs, e.g. 9.0 10.0 (default: as the loader)')
+    prebuild.add_argument("--jobs", type=int, default=None, help="parallel builds (default: CPU count)")
+    prebuild.add_argument("--cache-dir", default=None, help="cache folder (default: $FLASH_COMPRESS_CACHE_DIR)")
+
+    status = commands.add_parser("status", help="list what the cache holds")
+    status.add_argument("--cache-dir", default=None)
+
+    clear = commands.add_parser("clear", help="delete cached builds")
+    clear.add_argument("--cache-dir", default=None)
+    clear.add_argument("--name", default=None, help="only entries whose variant name starts with this")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(batch=args.batch, prefill_len=args.prefill_len, decode_steps=args.decode_steps, seed=args.seed)
+
+    from .jit import cli
+
+    if args.command == "prebuild":
+        from .c128_online import spec
+
+        grid = [
+            (f"head_dim={head_dim} pdl={pdl}", spec(head_dim, bool(pdl)))
+            for head_dim in args.head_dim
+            for pdl in args.pdl
+        ]
+        arch_list = tuple(args.arch) if args.arch else None
+        return cli.prebuild(grid, arch_list=arch_list, jobs=args.jobs, cache_dir=args.cache_dir)
+    if args.command == "status":
+        return cli.status(cache_dir=args.cache_dir)
+    return cli.clear(cache_dir=args.cache_dir, name_prefix=args.name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
