@@ -8,8 +8,8 @@ of different archs therefore need processes (the prebuild CLI uses a pool).
 
 from __future__ import annotations
 
-import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -25,9 +25,6 @@ from .toolchain import CudaToolkit
 
 __all__ = ["StagedBuild", "compile_in_staging"]
 
-# tvm-ffi logs ninja's captured output on this logger when TVM_FFI_CPP_EXTENSION_LOG_BUILD=1;
-# that is the only way to get a successful build's warnings out of tvm_ffi.cpp.build.
-_TVM_FFI_BUILD_LOGGER = "tvm_ffi.cpp.extension"
 # Build products not worth keeping once the .so is linked (the objects are as big as the .so).
 _INTERMEDIATES = (".ninja_deps", ".ninja_log", "lock")
 
@@ -59,35 +56,42 @@ def _environment(overrides: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-class _Capture(logging.Handler):
-    """Collects the messages tvm-ffi logs about its ninja run."""
+class _StreamingNinja:
+    """Stands in for ``tvm_ffi.cpp.extension.build_ninja``: the same ``ninja -v`` run,
+    but its output is read line by line, kept for the log, and echoed live when verbose
+    (tvm-ffi's own runner captures everything until ninja exits)."""
 
     def __init__(self, echo: bool) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.messages: list[str] = []
+        self.lines: list[str] = []
         self.echo = echo
 
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        self.messages.append(message)
-        if self.echo:
-            print(message, file=sys.stderr, flush=True)
+    def __call__(self, build_dir: str) -> None:
+        command = ["ninja", "-v"]
+        if os.environ.get("MAX_JOBS"):
+            command += ["-j", os.environ["MAX_JOBS"]]
+        with subprocess.Popen(command, cwd=build_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, errors="replace") as ninja:
+            assert ninja.stdout is not None
+            for line in ninja.stdout:
+                self.lines.append(line.rstrip("\n"))
+                if self.echo:
+                    print(line, end="", file=sys.stderr, flush=True)
+        if ninja.returncode != 0:
+            output = "\n".join(self.lines)
+            raise RuntimeError(f"ninja exited with status {ninja.returncode}\noutput:\n{output}")
 
 
 @contextmanager
-def _capture_tvm_ffi_log(echo: bool) -> Iterator[_Capture]:
-    logger = logging.getLogger(_TVM_FFI_BUILD_LOGGER)
-    handler = _Capture(echo)
-    saved_level, saved_propagate = logger.level, logger.propagate
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False  # the output goes to our log file, not to the application's logging
+def _ninja_runner(echo: bool) -> Iterator[_StreamingNinja]:
+    from tvm_ffi.cpp import extension
+
+    runner = _StreamingNinja(echo)
+    saved = extension.build_ninja  # tvm-ffi's build looks it up as a module global at call time
+    extension.build_ninja = runner
     try:
-        yield handler
+        yield runner
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved_level)
-        logger.propagate = saved_propagate
+        extension.build_ninja = saved
 
 
 def _forget_tvm_ffi_cuda_home() -> None:
@@ -141,7 +145,6 @@ def compile_in_staging(
     env = {
         "TVM_FFI_CUDA_ARCH_LIST": " ".join(arch_list),
         "CUDA_HOME": str(toolkit.home),
-        "TVM_FFI_CPP_EXTENSION_LOG_BUILD": "1",
     }
     if max_jobs is not None:
         env["MAX_JOBS"] = str(max_jobs)
@@ -155,7 +158,7 @@ def compile_in_staging(
     failure: BaseException | None = None
     import tvm_ffi.cpp
 
-    with _env_lock, _environment(env), _capture_tvm_ffi_log(echo=verbose) as captured:
+    with _env_lock, _environment(env), _ninja_runner(echo=verbose) as ninja:
         _forget_tvm_ffi_cuda_home()
         try:
             library = Path(
@@ -173,11 +176,12 @@ def compile_in_staging(
         except Exception as exc:  # tvm-ffi raises a bare RuntimeError holding ninja's output
             failure = exc
     seconds = time.perf_counter() - start
-    log = header + "\n".join(captured.messages)
+    log = header + "\n".join(ninja.lines)
     if failure is not None:
-        log += f"\n{failure}\n"
-        if verbose:
-            print(failure, file=sys.stderr, flush=True)
+        if not ninja.lines:  # failed before ninja ran (e.g. no compiler found)
+            log += f"\n{failure}\n"
+            if verbose:
+                print(failure, file=sys.stderr, flush=True)
         (staging / "build.log").write_text(log)
         try:
             failed_log.parent.mkdir(parents=True, exist_ok=True)
