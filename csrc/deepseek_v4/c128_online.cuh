@@ -86,13 +86,16 @@ SGL_DEVICE void absorb_tokens(SoftmaxPartial& part, const Vec (&kv)[kBatch], con
 }
 
 /// \brief `into` becomes the softmax over the union of both token sets.
-/// `into` must be non-empty; `other` may be empty.
+/// Either side, or both, may be empty.
 SGL_DEVICE void merge_partial(SoftmaxPartial& into, const SoftmaxPartial& other) {
 #pragma unroll
   for (uint32_t c = 0; c < kVecWidth; ++c) {
     const float max = fmaxf(into.max[c], other.max[c]);
-    const float scale_into = expf(into.max[c] - max);
-    const float scale_other = expf(other.max[c] - max);
+    // Two empty sides would give exp(-inf - -inf) = NaN; any finite
+    // reference keeps their weights at exp(-inf) = 0.
+    const float ref = max == -INFINITY ? 0.0f : max;
+    const float scale_into = expf(into.max[c] - ref);
+    const float scale_other = expf(other.max[c] - ref);
     into.max[c] = max;
     into.sum[c] = into.sum[c] * scale_into + other.sum[c] * scale_other;
     into.acc[c] = into.acc[c] * scale_into + other.acc[c] * scale_other;
@@ -150,66 +153,97 @@ struct DecodeParams {
 template <int64_t kHeadDim>
 struct DecodeLayout {
   static constexpr uint32_t kLanes = kHeadDim / kVecWidth;  // threads per request
-  static constexpr uint32_t kRequestsPerBlock = kLanes >= 256 ? 1 : 256 / kLanes;
-  static constexpr uint32_t kThreads = kLanes * kRequestsPerBlock;
+  static constexpr uint32_t kRequestsPerGroup = kLanes >= 256 ? 1 : 256 / kLanes;
+  static constexpr uint32_t kThreads = kLanes * kRequestsPerGroup;
+  /// Requests each thread group loads before computing any. 2 measured no
+  /// faster than 1 at B=32768 (docs/PERFORMANCE.md): occupancy fell as much
+  /// as the bytes in flight per thread rose.
+  static constexpr uint32_t kRequestsPerThread = 1;
+  static constexpr uint32_t kRequestsPerBlock = kRequestsPerGroup * kRequestsPerThread;
 };
+
+/// \brief What one thread reads for one request's 4 channels.
+struct DecodeLoads {
+  Vec kv, score, bias;
+  SoftmaxState old;
+  float* state;  // the request's slot; null if the request is skipped
+  uint32_t pos;  // position of the new token in its chunk
+};
+
+template <int64_t kHeadDim>
+SGL_DEVICE DecodeLoads load_decode_request(const DecodeParams& params, uint32_t request, uint32_t lane) {
+  DecodeLoads in;
+  in.state = nullptr;
+  if (request >= params.batch_size) return in;
+  const int32_t slot = params.indices[request];
+  const int32_t seq_len = params.seq_lens[request];
+  // Values the host cannot check without a sync: such a request is skipped.
+  if (seq_len < 1 || slot < 0 || slot >= params.num_slots) return in;
+  in.pos = static_cast<uint32_t>(seq_len - 1) % kChunk;
+  in.state = params.state + static_cast<int64_t>(slot) * (3 * kHeadDim) + lane * kVecWidth;
+  const float* token = params.input + static_cast<int64_t>(request) * (2 * kHeadDim) + lane * kVecWidth;
+  in.kv.load_streaming(token);
+  in.score.load_streaming(token + kHeadDim);
+  in.bias.load(params.ape + in.pos * kHeadDim + lane * kVecWidth);
+  if (in.pos != 0) {  // the first token of a chunk replaces the state unread
+    in.old.max.load(in.state);
+    in.old.sum.load(in.state + kHeadDim);
+    in.old.kv.load(in.state + 2 * kHeadDim);
+  }
+  return in;
+}
+
+template <int64_t kHeadDim>
+SGL_DEVICE void finish_decode_request(const DecodeParams& params, const DecodeLoads& in, uint32_t request,
+                                      uint32_t lane) {
+  if (in.state == nullptr) return;
+  SoftmaxState next;
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) {
+    const float s = in.score[c] + in.bias[c];
+    if (in.pos == 0) {
+      next.max[c] = s;
+      next.sum[c] = 1.0f;
+      next.kv[c] = in.kv[c];
+    } else {
+      const float max = fmaxf(in.old.max[c], s);
+      const float old_weight = in.old.sum[c] * expf(in.old.max[c] - max);
+      const float new_weight = expf(s - max);
+      const float sum = old_weight + new_weight;
+      next.max[c] = max;
+      next.sum[c] = sum;
+      next.kv[c] = (in.old.kv[c] * old_weight + in.kv[c] * new_weight) / sum;
+    }
+  }
+  if (in.pos == kChunk - 1) {
+    // The chunk is complete: emit it. The state is left alone because the
+    // next chunk's first token replaces it unread.
+    next.kv.store(params.output + static_cast<int64_t>(request) * kHeadDim + lane * kVecWidth);
+  } else {
+    next.max.store(in.state);
+    next.sum.store(in.state + kHeadDim);
+    next.kv.store(in.state + 2 * kHeadDim);
+  }
+}
 
 template <int64_t kHeadDim, bool kUsePDL>
 __global__ void __launch_bounds__(DecodeLayout<kHeadDim>::kThreads)
     c128_decode_kernel(const __grid_constant__ DecodeParams params) {
   using Layout = DecodeLayout<kHeadDim>;
   const uint32_t lane = threadIdx.x % Layout::kLanes;
-  const uint32_t request = blockIdx.x * Layout::kRequestsPerBlock + threadIdx.x / Layout::kLanes;
+  // A block's requests: its groups take consecutive ones, then the next kRequestsPerGroup, ...
+  const uint32_t first = blockIdx.x * Layout::kRequestsPerBlock + threadIdx.x / Layout::kLanes;
 
   device::PDLWaitPrimary<kUsePDL>();
-  if (request >= params.batch_size) return;
-  const int32_t slot = params.indices[request];
-  const int32_t seq_len = params.seq_lens[request];
-  // Values the host cannot check without a sync: such a request is skipped.
-  if (seq_len < 1 || slot < 0 || slot >= params.num_slots) return;
-
-  const uint32_t pos = static_cast<uint32_t>(seq_len - 1) % kChunk;
-  const auto mem = device::tile::Memory<Vec>(lane, Layout::kLanes);
-  float* state = params.state + static_cast<int64_t>(slot) * (3 * kHeadDim);
-  const float* token = params.input + static_cast<int64_t>(request) * (2 * kHeadDim);
-
-  const Vec kv = mem.load_streaming(token, 0);
-  Vec score = mem.load_streaming(token, 1);
-  const Vec bias = mem.load(params.ape + pos * kHeadDim);
-  SoftmaxState old;
-  if (pos != 0) {  // the first token of a chunk replaces the state unread
-    old.max = mem.load(state, 0);
-    old.sum = mem.load(state, 1);
-    old.kv = mem.load(state, 2);
+  DecodeLoads loads[Layout::kRequestsPerThread];
+#pragma unroll
+  for (uint32_t k = 0; k < Layout::kRequestsPerThread; ++k) {
+    loads[k] = load_decode_request<kHeadDim>(params, first + k * Layout::kRequestsPerGroup, lane);
   }
   device::PDLTriggerSecondary<kUsePDL>();
-
-  SoftmaxState next;
 #pragma unroll
-  for (uint32_t c = 0; c < kVecWidth; ++c) {
-    const float s = score[c] + bias[c];
-    if (pos == 0) {
-      next.max[c] = s;
-      next.sum[c] = 1.0f;
-      next.kv[c] = kv[c];
-    } else {
-      const float max = fmaxf(old.max[c], s);
-      const float old_weight = old.sum[c] * expf(old.max[c] - max);
-      const float new_weight = expf(s - max);
-      const float sum = old_weight + new_weight;
-      next.max[c] = max;
-      next.sum[c] = sum;
-      next.kv[c] = (old.kv[c] * old_weight + kv[c] * new_weight) / sum;
-    }
-  }
-  if (pos == kChunk - 1) {
-    // The chunk is complete: emit it. The state is left alone because the
-    // next chunk's first token replaces it unread.
-    mem.store(params.output + static_cast<int64_t>(request) * kHeadDim, next.kv);
-  } else {
-    mem.store(state, next.max, 0);
-    mem.store(state, next.sum, 1);
-    mem.store(state, next.kv, 2);
+  for (uint32_t k = 0; k < Layout::kRequestsPerThread; ++k) {
+    finish_decode_request<kHeadDim>(params, loads[k], first + k * Layout::kRequestsPerGroup, lane);
   }
 }
 
@@ -234,19 +268,24 @@ struct PrefillParams {
 template <int64_t kHeadDim>
 struct PrefillLayout {
   static_assert(kSupportedHeadDim<kHeadDim>, "head_dim must be a multiple of 64 in [64, 1024]");
-  /// A block works on one slice of channels of one segment at a time.
-  static constexpr uint32_t kSliceDim = kHeadDim % 128 == 0 ? 128 : 64;
+  /// A warp computes one slice of channels of one segment: no block-wide
+  /// merge, no barrier, and every warp streams independently. Narrow slices
+  /// make many items, so even one long request fills the GPU; each lane
+  /// group still reads whole 128-byte lines.
+  static constexpr uint32_t kSliceDim = 64;
+  static_assert(kHeadDim % kSliceDim == 0);
   static constexpr uint32_t kSlices = kHeadDim / kSliceDim;
-  static constexpr uint32_t kLanes = kSliceDim / kVecWidth;  // threads per token of a slice
+  static constexpr uint32_t kLanes = kSliceDim / kVecWidth;            // lanes per token of a slice
+  static constexpr uint32_t kTokenLanes = device::kWarpThreads / kLanes;  // tokens a warp reads at once
   static constexpr uint32_t kThreads = 256;
-  /// Groups of kLanes threads take a segment's tokens round-robin, so a
-  /// short segment still spreads over the whole block.
-  static constexpr uint32_t kGroups = kThreads / kLanes;
-  /// Tokens whose loads each thread keeps in flight at once.
+  static constexpr uint32_t kWarps = kThreads / device::kWarpThreads;
+  /// Tokens whose loads each lane keeps in flight at once.
   static constexpr uint32_t kBatch = 4;
+  /// Keeps registers at or under 128, so two blocks (16 warps) fit per SM.
+  static constexpr uint32_t kMinBlocksPerSM = 2;
 };
 
-/// \brief One (segment, channel slice) a block has to compute, decoded and
+/// \brief One (segment, channel slice) a warp has to compute, decoded and
 /// checked from its plan row.
 struct SegmentWork {
   uint32_t last_row;    // ragged row of the segment's last token
@@ -289,39 +328,50 @@ SGL_DEVICE bool decode_segment(const PrefillPlan& row, uint32_t slice, const Pre
   return true;
 }
 
-/// \brief Per-group partial results of one segment slice, merged by group 0.
-template <int64_t kHeadDim>
-struct PartialExchange {
-  using Layout = PrefillLayout<kHeadDim>;
-  Vec max[Layout::kGroups][Layout::kLanes];
-  Vec sum[Layout::kGroups][Layout::kLanes];
-  Vec acc[Layout::kGroups][Layout::kLanes];
+/// \brief Every lane gets lane `src`'s `work`.
+SGL_DEVICE SegmentWork broadcast_work(const SegmentWork& work, uint32_t src) {
+  constexpr uint32_t kAll = 0xffffffffu;
+  return SegmentWork{
+      .last_row = __shfl_sync(kAll, work.last_row, src),
+      .first_pos = __shfl_sync(kAll, work.first_pos, src),
+      .window_len = __shfl_sync(kAll, work.window_len, src),
+      .slice = __shfl_sync(kAll, work.slice, src),
+      .prior_slot = __shfl_sync(kAll, work.prior_slot, src),
+      .target = __shfl_sync(kAll, work.target, src),
+  };
+}
 
-  SGL_DEVICE void put(uint32_t group, uint32_t lane, const SoftmaxPartial& part) {
-    max[group][lane] = part.max;
-    sum[group][lane] = part.sum;
-    acc[group][lane] = part.acc;
+/// \brief Merges the partials of the warp's token lanes (lanes `kLanes`
+/// apart hold the same channels); every lane gets the union.
+template <uint32_t kLanes>
+SGL_DEVICE void merge_token_lanes(SoftmaxPartial& part) {
+#pragma unroll
+  for (uint32_t offset = kLanes; offset < device::kWarpThreads; offset *= 2) {
+    SoftmaxPartial other;
+#pragma unroll
+    for (uint32_t c = 0; c < kVecWidth; ++c) {
+      other.max[c] = __shfl_xor_sync(0xffffffffu, part.max[c], offset);
+      other.sum[c] = __shfl_xor_sync(0xffffffffu, part.sum[c], offset);
+      other.acc[c] = __shfl_xor_sync(0xffffffffu, part.acc[c], offset);
+    }
+    merge_partial(part, other);  // short segments leave some token lanes empty
   }
-  SGL_DEVICE SoftmaxPartial get(uint32_t group, uint32_t lane) const {
-    return SoftmaxPartial{max[group][lane], sum[group][lane], acc[group][lane]};
-  }
-};
+}
 
-/// \brief Computes one segment slice with the whole block and stores it:
-/// the compressed row (compress pass) or the new state (write pass).
+/// \brief Computes one segment slice with one warp and stores it: the
+/// compressed row (compress pass) or the new state (write pass).
 template <int64_t kHeadDim, bool kWritePass>
-SGL_DEVICE void compress_segment(const SegmentWork& work, const PrefillParams& params,
-                                 PartialExchange<kHeadDim>& exchange) {
+SGL_DEVICE void compress_segment(const SegmentWork& work, const PrefillParams& params) {
   using Layout = PrefillLayout<kHeadDim>;
   constexpr uint32_t kBatch = Layout::kBatch;
-  const uint32_t group = threadIdx.x / Layout::kLanes;
-  const uint32_t lane = threadIdx.x % Layout::kLanes;
-  const uint32_t channel = work.slice * Layout::kSliceDim + lane * kVecWidth;
-  const bool is_merger = group == 0;
+  constexpr uint32_t kStride = Layout::kTokenLanes;
+  const uint32_t lane = threadIdx.x % device::kWarpThreads;
+  const uint32_t token_lane = lane / Layout::kLanes;
+  const uint32_t channel = work.slice * Layout::kSliceDim + (lane % Layout::kLanes) * kVecWidth;
 
-  // Group 0 merges at the end; its load of the prior state overlaps the tokens.
+  // Issued first so that its latency hides under the token loads.
   SoftmaxState prior;
-  if (is_merger && work.prior_slot >= 0) {
+  if (work.prior_slot >= 0) {
     const float* slot = params.state + static_cast<int64_t>(work.prior_slot) * (3 * kHeadDim) + channel;
     prior.max.load(slot);
     prior.sum.load(slot + kHeadDim);
@@ -330,13 +380,13 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, const PrefillParams& p
 
   SoftmaxPartial part = SoftmaxPartial::empty();
   const int64_t first_row = static_cast<int64_t>(work.last_row) + 1 - work.window_len;
-  for (uint32_t t0 = group; t0 < work.window_len; t0 += Layout::kGroups * kBatch) {
+  for (uint32_t t0 = token_lane; t0 < work.window_len; t0 += kStride * kBatch) {
     Vec kv[kBatch], score[kBatch], bias[kBatch];
-    const uint32_t count = min(kBatch, (work.window_len - t0 + Layout::kGroups - 1) / Layout::kGroups);
+    const uint32_t count = min(kBatch, (work.window_len - t0 + kStride - 1) / kStride);
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
       if (k < count) {
-        const uint32_t t = t0 + k * Layout::kGroups;
+        const uint32_t t = t0 + k * kStride;
         const float* token = params.input + (first_row + t) * (2 * kHeadDim) + channel;
         kv[k].load_streaming(token);
         score[k].load_streaming(token + kHeadDim);
@@ -350,54 +400,43 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, const PrefillParams& p
     }
     absorb_tokens<kBatch>(part, kv, score, count);
   }
+  if constexpr (kStride > 1) merge_token_lanes<Layout::kLanes>(part);
+  if (token_lane != 0) return;
 
-  exchange.put(group, lane, part);
-  __syncthreads();
-  if (is_merger) {
-    SoftmaxPartial total = exchange.get(0, lane);
-#pragma unroll
-    for (uint32_t g = 1; g < Layout::kGroups; ++g) merge_partial(total, exchange.get(g, lane));
-    const SoftmaxState out = work.prior_slot >= 0 ? finish_state(total, prior) : finish_state(total);
-    if constexpr (kWritePass) {
-      float* slot = params.state + static_cast<int64_t>(work.target) * (3 * kHeadDim) + channel;
-      out.max.store(slot);
-      out.sum.store(slot + kHeadDim);
-      out.kv.store(slot + 2 * kHeadDim);
-    } else {
-      out.kv.store(params.output + static_cast<int64_t>(work.target) * kHeadDim + channel);
-    }
+  const SoftmaxState out = work.prior_slot >= 0 ? finish_state(part, prior) : finish_state(part);
+  if constexpr (kWritePass) {
+    float* slot = params.state + static_cast<int64_t>(work.target) * (3 * kHeadDim) + channel;
+    out.max.store(slot);
+    out.sum.store(slot + kHeadDim);
+    out.kv.store(slot + 2 * kHeadDim);
+  } else {
+    out.kv.store(params.output + static_cast<int64_t>(work.target) * kHeadDim + channel);
   }
-  __syncthreads();  // the exchange is reused by the next segment
 }
 
-/// \brief One prefill pass. Work items are (plan row, channel slice); block b
-/// owns items b, b + grid, b + 2*grid, ... Its threads read a whole batch of
-/// its plan rows at once and queue the live ones, so the padding rows of a
-/// CUDA-graph plan cost one parallel load per block, not a launch or a
-/// dependent chain each.
+/// \brief One prefill pass. Work items are (plan row, channel slice); warp w
+/// of W owns items w, w + W, w + 2W, ... Its lanes decode 32 of its plan
+/// rows at once and the warp runs the live ones, so the sentinel rows of a
+/// CUDA-graph plan cost one parallel load per 32 items, not a dependent
+/// chain.
 template <int64_t kHeadDim, bool kWritePass, bool kUsePDL>
-__global__ void __launch_bounds__(PrefillLayout<kHeadDim>::kThreads)
+__global__ void __launch_bounds__(PrefillLayout<kHeadDim>::kThreads, PrefillLayout<kHeadDim>::kMinBlocksPerSM)
     c128_prefill_kernel(const __grid_constant__ PrefillParams params) {
   using Layout = PrefillLayout<kHeadDim>;
-  __shared__ SegmentWork queue[Layout::kThreads];
-  __shared__ uint32_t queue_size;
-  __shared__ PartialExchange<kHeadDim> exchange;
-
+  constexpr uint32_t kWarp = device::kWarpThreads;
   device::PDLWaitPrimary<kUsePDL>();
   const uint64_t num_items = static_cast<uint64_t>(params.num_rows) * Layout::kSlices;
-  const uint64_t grid = gridDim.x;
-  for (uint64_t batch_start = blockIdx.x; batch_start < num_items; batch_start += grid * Layout::kThreads) {
-    if (threadIdx.x == 0) queue_size = 0;
-    __syncthreads();
-    const uint64_t item = batch_start + threadIdx.x * grid;
+  const uint64_t num_warps = static_cast<uint64_t>(gridDim.x) * Layout::kWarps;
+  const uint32_t lane = threadIdx.x % kWarp;
+  const uint64_t warp = static_cast<uint64_t>(blockIdx.x) * Layout::kWarps + threadIdx.x / kWarp;
+  for (uint64_t base = warp; base < num_items; base += num_warps * kWarp) {
+    const uint64_t item = base + lane * num_warps;
     SegmentWork work;
-    if (item < num_items &&
-        decode_segment<kWritePass>(params.plan[item / Layout::kSlices], item % Layout::kSlices, params, work)) {
-      queue[atomicAdd(&queue_size, 1u)] = work;
+    const bool live = item < num_items && decode_segment<kWritePass>(params.plan[item / Layout::kSlices],
+                                                                     item % Layout::kSlices, params, work);
+    for (uint32_t pending = __ballot_sync(0xffffffffu, live); pending != 0; pending &= pending - 1) {
+      compress_segment<kHeadDim, kWritePass>(broadcast_work(work, __ffs(pending) - 1), params);
     }
-    __syncthreads();
-    const uint32_t queued = queue_size;
-    for (uint32_t i = 0; i < queued; ++i) compress_segment<kHeadDim, kWritePass>(queue[i], params, exchange);
   }
   device::PDLTriggerSecondary<kUsePDL>();
 }
@@ -413,10 +452,6 @@ struct C128Online {
   static constexpr auto kDecodeKernel = c128_decode_kernel<kHeadDim, kUsePDL>;
   static constexpr auto kCompressKernel = c128_prefill_kernel<kHeadDim, false, kUsePDL>;
   static constexpr auto kWriteKernel = c128_prefill_kernel<kHeadDim, true, kUsePDL>;
-  /// Blocks per resident block slot when a plan has more work items than
-  /// the GPU holds at once; beyond that, blocks loop over their items.
-  static constexpr int64_t kGridOversubscription = 2;
-
   /// \brief Checks the tensors every kernel shares; returns the slot count.
   static int32_t verify_common(const tvm::ffi::TensorView& kv_score_buffer, const tvm::ffi::TensorView& kv_score_input,
                                const tvm::ffi::TensorView& kv_compressed_output, const tvm::ffi::TensorView& ape,
@@ -507,8 +542,10 @@ struct C128Online {
         .verify(write_plan, "write_plan");
     CheckAs("ValueError", N.unwrap() < kPlanSentinel, "argument 'kv_score_input': expected fewer than 2^32-1 rows, got ",
             N.unwrap());
-    CheckAs("ValueError", num_compress.unwrap() < kPlanSentinel && num_write.unwrap() < kPlanSentinel,
-            "argument 'compress_plan'/'write_plan': expected fewer than 2^32-1 rows");
+    CheckAs("ValueError", num_compress.unwrap() < kPlanSentinel,
+            "argument 'compress_plan': expected fewer than 2^32-1 rows, got ", num_compress.unwrap());
+    CheckAs("ValueError", num_write.unwrap() < kPlanSentinel,
+            "argument 'write_plan': expected fewer than 2^32-1 rows, got ", num_write.unwrap());
 
     PrefillParams params{
         .state = data_ptr<float>(kv_score_buffer),
@@ -539,9 +576,11 @@ struct C128Online {
   static void launch_pass(const PrefillParams& params, DLDevice device) {
     const int64_t num_items = static_cast<int64_t>(params.num_rows) * Prefill::kSlices;
     if (num_items == 0) return;
-    const int64_t max_blocks =
-        host::runtime::resident_blocks<kKernel>(device.device_id, Prefill::kThreads) * kGridOversubscription;
-    const auto blocks = static_cast<uint32_t>(std::min(num_items, max_blocks));
+    // One warp per item up to a full GPU; beyond that warps loop (a grid of
+    // mostly-idle blocks would only cost launch and scheduling time).
+    const int64_t max_blocks = host::runtime::resident_blocks<kKernel>(device.device_id, Prefill::kThreads);
+    const int64_t wanted = (num_items + Prefill::kWarps - 1) / Prefill::kWarps;
+    const auto blocks = static_cast<uint32_t>(std::min(wanted, max_blocks));
     host::LaunchKernel(blocks, Prefill::kThreads, device).enable_pdl(kUsePDL)(kKernel, params);
   }
 };

@@ -1,0 +1,239 @@
+"""Benchmark the online c128 kernels on a GPU against pure torch and the copy ceiling.
+
+    python scripts/bench.py [--head-dim 512] [--json bench.json] [--quick] [--skip-torch]
+
+Times are CUDA-event medians; decode at small batch is timed as CUDA-graph
+replays of many launches (launch gaps would dominate otherwise). "% of copy"
+is the bytes that must cross HBM once (inputs read, outputs and states
+written, prior states read) over the time, divided by the rate of a large
+device-to-device copy measured in the same run (bytes read plus written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import flash_compress  # noqa: E402
+
+CHUNK = 128
+
+
+@dataclass
+class Row:
+    case: str
+    impl: str
+    us: float
+    gbps: float
+    pct_copy: float
+
+
+def median_ms(fn, iters: int = 50, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_median_ms(fn, launches: int = 100, iters: int = 30) -> float:
+    """Median time of one `fn` call, from replays of a graph holding `launches` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    return median_ms(graph.replay, iters=iters) / launches
+
+
+def copy_gbps() -> float:
+    src = torch.empty(2 * 1024**3 // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), iters=20)
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+# --- pure torch baselines -------------------------------------------------------------------
+
+
+def torch_prefill_aligned(kv_score_input, ape, out_rows):
+    """Offline chunk softmax over whole chunks (requests start at position 0, 128-aligned)."""
+    head_dim = ape.shape[1]
+    x = kv_score_input.view(-1, CHUNK, 2 * head_dim)
+    kv, score = x[..., :head_dim], x[..., head_dim:] + ape
+    weights = torch.softmax(score, dim=1)
+    out_rows.copy_((weights * kv).sum(dim=1))
+
+
+def torch_decode(state, kv_score_input, out, ape, indices, seq_lens):
+    """Vectorised online update of SPEC section 1 for one token per request."""
+    head_dim = ape.shape[1]
+    pos = (seq_lens.long() - 1) % CHUNK
+    slots = indices.long()
+    old = state[slots, 0]
+    old_max, old_sum, old_kv = old[:, :head_dim], old[:, head_dim : 2 * head_dim], old[:, 2 * head_dim :]
+    kv, score = kv_score_input[:, :head_dim], kv_score_input[:, head_dim:] + ape[pos]
+    first = (pos == 0).unsqueeze(1)
+    new_max = torch.where(first, score, torch.maximum(old_max, score))
+    a = torch.where(first, torch.zeros_like(old_sum), old_sum * torch.exp(old_max - new_max))
+    e = torch.exp(score - new_max)
+    new_sum = a + e
+    new_kv = (torch.where(first, torch.zeros_like(old_kv), old_kv) * a + kv * e) / new_sum
+    closing = (pos == CHUNK - 1).unsqueeze(1)
+    # Masked selects rather than boolean indexing, which syncs and cannot be graph-captured.
+    out.copy_(torch.where(closing, new_kv, out))
+    state[slots, 0] = torch.where(closing, old, torch.cat([new_max, new_sum, new_kv], dim=1))
+
+
+# --- cases ----------------------------------------------------------------------------------
+
+
+def plan(module, extend_lens, seq_lens, use_cuda_graph):
+    rows = int(sum(extend_lens))
+    compress_plan = torch.empty(rows, 16, dtype=torch.uint8)
+    write_plan = torch.empty(rows, 16, dtype=torch.uint8)
+    counts = module.plan_online_prefill(
+        torch.tensor(extend_lens, dtype=torch.int64), torch.tensor(seq_lens, dtype=torch.int64),
+        compress_plan, write_plan, use_cuda_graph,
+    )
+    num_compress, num_write = (int(x) for x in counts)
+    return compress_plan[:num_compress].cuda(), write_plan[:num_write].cuda()
+
+
+def prefill_case(module, head_dim, batch, extend, random_prefix, gen):
+    prefixes = torch.randint(0, 4 * CHUNK, (batch,), generator=gen).tolist() if random_prefix else [0] * batch
+    seq_lens = [p + extend for p in prefixes]
+    rows = batch * extend
+    slots = batch
+    data = {
+        "state": torch.randn(slots, 1, 3 * head_dim, device="cuda"),
+        "input": torch.randn(rows, 2 * head_dim, device="cuda"),
+        "out": torch.empty(rows, head_dim, device="cuda"),
+        "ape": torch.randn(CHUNK, head_dim, device="cuda"),
+        "indices": torch.arange(batch, dtype=torch.int32, device="cuda"),
+    }
+    exact = plan(module, [extend] * batch, seq_lens, False)
+    padded = plan(module, [extend] * batch, seq_lens, True)
+    num_closed = exact[0].shape[0]
+    prior_reads = sum(1 for p in prefixes if p % CHUNK)
+    state_writes = exact[1].shape[0]
+    bytes_moved = 4 * (rows * 2 * head_dim + num_closed * head_dim + (prior_reads + state_writes) * 3 * head_dim)
+    return data, exact, padded, bytes_moved
+
+
+def run(args) -> list[Row]:
+    head_dim = args.head_dim
+    module = flash_compress.load_module(head_dim)
+    gen = torch.Generator().manual_seed(0)
+    ceiling = copy_gbps()
+    print(f"device: {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s (read + write)")
+    rows: list[Row] = []
+
+    def add(case, impl, ms, bytes_moved):
+        gbps = bytes_moved / (ms * 1e-3) / 1e9
+        rows.append(Row(case, impl, ms * 1e3, gbps, 100 * gbps / ceiling))
+
+    prefill_cases = [("1x32768 from 0", 1, 32768, False), ("8x16384 from 0", 8, 16384, False),
+                     ("64x1024 random prefix", 64, 1024, True), ("256x300 random prefix", 256, 300, True)]
+    if args.quick:
+        prefill_cases = prefill_cases[:1] + prefill_cases[2:3]
+    for name, batch, extend, random_prefix in prefill_cases:
+        data, exact, padded, bytes_moved = prefill_case(module, head_dim, batch, extend, random_prefix, gen)
+        d = data
+
+        def call(plans):
+            module.run_prefill(d["state"], d["input"], d["out"], d["ape"], d["indices"], *plans, None)
+
+        add(f"prefill {name}", "flash_compress", median_ms(lambda: call(exact)), bytes_moved)
+        add(f"prefill {name}", "flash_compress graph-plan", median_ms(lambda: call(padded)), bytes_moved)
+        if not random_prefix and not args.skip_torch:
+            out_rows = torch.empty(batch * extend // CHUNK, head_dim, device="cuda")
+            add(f"prefill {name}", "torch eager",
+                median_ms(lambda: torch_prefill_aligned(d["input"], d["ape"], out_rows), iters=20), bytes_moved)
+            compiled = torch.compile(torch_prefill_aligned)
+            add(f"prefill {name}", "torch.compile",
+                median_ms(lambda: compiled(d["input"], d["ape"], out_rows), iters=20, warmup=3), bytes_moved)
+        del data
+
+    decode_batches = [1, 64, 512, 32768] if not args.quick else [1, 32768]
+    for batch in decode_batches:
+        slots = batch
+        state = torch.randn(slots, 1, 3 * head_dim, device="cuda")
+        tokens = torch.randn(batch, 2 * head_dim, device="cuda")
+        out = torch.empty(batch, head_dim, device="cuda")
+        ape = torch.randn(CHUNK, head_dim, device="cuda")
+        indices = torch.randperm(slots, dtype=torch.int32).cuda()
+        seq_lens = torch.randint(2, 100000, (batch,), dtype=torch.int32).cuda()
+        pos = (seq_lens.long() - 1) % CHUNK
+        state_reads = int((pos != 0).sum())
+        closing = int((pos == CHUNK - 1).sum())
+        # Every input row; the state of every request not at a chunk start; a
+        # state written back, or for a closing chunk its output row instead.
+        bytes_moved = 4 * head_dim * (2 * batch + 3 * state_reads + 3 * (batch - closing) + closing)
+
+        def call():
+            module.run_decode(state, tokens, out, ape, indices, seq_lens, None)
+
+        def eager():
+            torch_decode(state, tokens, out, ape, indices, seq_lens)
+
+        if batch <= 4096:
+            add(f"decode B={batch} (graph)", "flash_compress", graph_median_ms(call), bytes_moved)
+            if not args.skip_torch:
+                add(f"decode B={batch} (graph)", "torch eager", graph_median_ms(eager, launches=10), bytes_moved)
+        else:
+            add(f"decode B={batch}", "flash_compress", median_ms(call), bytes_moved)
+            if not args.skip_torch:
+                add(f"decode B={batch}", "torch eager", median_ms(eager, iters=20), bytes_moved)
+    return rows, ceiling
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dim", type=int, default=512)
+    parser.add_argument("--json", default=None, help="write the rows here as JSON")
+    parser.add_argument("--quick", action="store_true", help="fewer cases")
+    parser.add_argument("--skip-torch", action="store_true", help="time only this project and the copy")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows, ceiling = run(args)
+    print(f"{'case':34} {'impl':28} {'us':>10} {'GB/s':>8} {'% copy':>7}")
+    for r in rows:
+        print(f"{r.case:34} {r.impl:28} {r.us:10.2f} {r.gbps:8.0f} {r.pct_copy:6.1f}%")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_planner import planner_rows
+
+    planner = planner_rows(flash_compress.load_module(args.head_dim))
+    print(f"\n{'planner case':34} {'impl':28} {'us':>10}")
+    for r in planner:
+        print(f"{r['case']:34} {r['impl']:28} {r['us']:10.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": ceiling,
+                                               "head_dim": args.head_dim, "rows": [asdict(r) for r in rows],
+                                               "planner": planner}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
