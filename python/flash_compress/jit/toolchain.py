@@ -19,6 +19,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config import config
+
 __all__ = ["CudaToolkit", "find_cuda_toolkit", "host_compiler", "tool_version"]
 
 _DEFAULT_CUDA_HOME = Path("/usr/local/cuda")
@@ -152,14 +154,24 @@ def tool_version(binary: Path, args: tuple[str, ...], cache_dir: Path | None) ->
     except OSError as exc:
         return f"unavailable: {exc}"
     mem_key = (str(real), st.st_size, st.st_mtime_ns, args)
-    with _memory_lock:
-        if mem_key in _memory:
-            return _memory[mem_key]
     stamp = {"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "args": list(args)}
     disk: Path | None = None
     if cache_dir is not None:
         digest = hashlib.sha256(json.dumps([str(real), list(args)]).encode()).hexdigest()[:16]
         disk = cache_dir / ".toolchain" / f"{real.name}-{digest}.json"
+    with _memory_lock:
+        remembered = _memory.get(mem_key)
+    if remembered is not None:
+        # Another cache dir may be new to this process: give it the answer too,
+        # so that its next process runs no subprocess either.
+        # (Not with the JIT disabled: a miss then must leave the cache dir untouched.)
+        if disk is not None and not config.disable_jit and not disk.exists():
+            try:
+                _write_atomically(disk, json.dumps({"stamp": stamp, "output": remembered}, indent=1))
+            except OSError:
+                pass
+        return remembered
+    if disk is not None:
         try:
             saved = json.loads(disk.read_text())
         except (OSError, ValueError):
