@@ -1,13 +1,22 @@
 // The online c128 compressor's prefill planner: cuts each request's new tokens
 // into per-chunk segments, as rows of the 16-byte plan in SPEC.md section 4.
+//
+// Two planners write the same bytes from the same row formulas (the
+// `__host__ __device__` helpers below): a host loop for CPU / pinned lengths,
+// which validates and raises, and a GPU kernel for CUDA lengths, which runs on
+// the current stream without a host sync (so it can be captured in a CUDA
+// graph) and reports invalid input through an error flag instead.
 #pragma once
 
 #include <dlpack/dlpack.h>
 #include <sgl_kernel/deepseek_v4/compress.cuh>
+#include <sgl_kernel/runtime.cuh>
 #include <sgl_kernel/tensor.h>
+#include <sgl_kernel/utils.cuh>
 #include <sgl_kernel/utils.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/container/tuple.h>
+#include <tvm/ffi/optional.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -19,40 +28,76 @@ using device::compress::kPlanSentinel;
 using device::compress::PrefillPlan;
 
 inline constexpr int64_t kPlanChunk = 128;
+/// Longest seq_len and largest sum(extend_lens): ragged ids and positions are
+/// uint32 and the all-ones value marks padding.
+inline constexpr int64_t kMaxPlanLength = std::numeric_limits<uint32_t>::max() - 1;
+
+// ---------------------------------------------------------------------------
+// Row formulas, shared by both planners. Request b's new tokens are positions
+// [prefix, seq_len) and ragged rows [ragged_start, ragged_start + extend_len).
+// A segment ends at a chunk's last position (a compress row) or at seq_len
+// (the trailing partial segment, the request's only write row). 64-bit on
+// purpose: the chunk end after a seq_len near 2^32 overflows uint32.
+// ---------------------------------------------------------------------------
+
+/// \brief Chunks the request closes: positions `128k + 127` in `[prefix, seq_len)`.
+__host__ __device__ inline int64_t compress_rows_of(int64_t prefix, int64_t seq_len) {
+  return seq_len / kPlanChunk - prefix / kPlanChunk;
+}
+
+/// \brief Whether the request ends inside a chunk, leaving a state to store.
+__host__ __device__ inline bool has_write_row(int64_t seq_len) { return seq_len % kPlanChunk != 0; }
+
+/// \brief The row of a segment `[begin, last]` that starts at or after `prefix`.
+__host__ __device__ inline PrefillPlan segment_row(int64_t prefix, int64_t ragged_start, int64_t batch, int64_t begin,
+                                                   int64_t last) {
+  return PrefillPlan{
+      .ragged_id = static_cast<uint32_t>(ragged_start + (last - prefix)),
+      .batch_id = static_cast<uint32_t>(batch),
+      .position = static_cast<uint32_t>(last),
+      .window_len = static_cast<uint32_t>(last - begin + 1),
+  };
+}
+
+/// \brief The request's k-th compress row (`0 <= k < compress_rows_of(...)`).
+__host__ __device__ inline PrefillPlan compress_row_of(int64_t prefix, int64_t ragged_start, int64_t batch,
+                                                       int64_t k) {
+  const int64_t last = (prefix / kPlanChunk + k) * kPlanChunk + (kPlanChunk - 1);
+  const int64_t chunk_begin = last - (kPlanChunk - 1);
+  return segment_row(prefix, ragged_start, batch, prefix > chunk_begin ? prefix : chunk_begin, last);
+}
+
+/// \brief The request's write row (only when `has_write_row(seq_len)`).
+__host__ __device__ inline PrefillPlan write_row_of(int64_t prefix, int64_t seq_len, int64_t ragged_start,
+                                                    int64_t batch) {
+  const int64_t last = seq_len - 1;
+  const int64_t chunk_begin = last / kPlanChunk * kPlanChunk;
+  return segment_row(prefix, ragged_start, batch, prefix > chunk_begin ? prefix : chunk_begin, last);
+}
+
+// ---------------------------------------------------------------------------
+// Host planner.
+// ---------------------------------------------------------------------------
 
 struct PlanCounts {
   int64_t num_compress;
   int64_t num_write;
 };
 
-/// \brief Cuts each request's new tokens `[seq_len - extend_len, seq_len)`
-/// at chunk boundaries. A segment that closes a chunk becomes a compress row;
-/// a request's trailing partial segment becomes its (only) write row. Rows
-/// hold the segment's last token. Inputs must already be validated.
+/// \brief Writes every request's compress rows and write row, requests in
+/// order, packed from row 0 of each plan. Inputs must already be validated.
 inline PlanCounts plan_segments(const int64_t* extend_lens, const int64_t* seq_lens, int64_t batch_size,
                                 PrefillPlan* compress_plan, PrefillPlan* write_plan) {
   PlanCounts counts{0, 0};
-  // 64-bit on purpose: the chunk end after a seq_len near 2^32 overflows uint32.
   int64_t ragged_start = 0;  // ragged row of the request's first new token
   for (int64_t b = 0; b < batch_size; ++b) {
     const int64_t seq_len = seq_lens[b];
-    const int64_t prefix_len = seq_len - extend_lens[b];
-    for (int64_t begin = prefix_len; begin < seq_len;) {
-      const int64_t chunk_end = (begin / kPlanChunk + 1) * kPlanChunk;
-      const int64_t end = std::min(seq_len, chunk_end);
-      const PrefillPlan row{
-          .ragged_id = static_cast<uint32_t>(ragged_start + (end - 1 - prefix_len)),
-          .batch_id = static_cast<uint32_t>(b),
-          .position = static_cast<uint32_t>(end - 1),
-          .window_len = static_cast<uint32_t>(end - begin),
-      };
-      if (end == chunk_end) {
-        compress_plan[counts.num_compress++] = row;
-      } else {
-        write_plan[counts.num_write++] = row;
-      }
-      begin = end;
+    const int64_t prefix = seq_len - extend_lens[b];
+    const int64_t num_compress = compress_rows_of(prefix, seq_len);
+    for (int64_t k = 0; k < num_compress; ++k) {
+      compress_plan[counts.num_compress++] = compress_row_of(prefix, ragged_start, b, k);
     }
+    if (has_write_row(seq_len)) write_plan[counts.num_write++] = write_row_of(prefix, seq_len, ragged_start, b);
     ragged_start += extend_lens[b];
   }
   return counts;
@@ -63,21 +108,27 @@ inline void fill_sentinel_rows(PrefillPlan* plan, int64_t begin, int64_t end) {
   std::fill(plan + begin, plan + end, kPadding);
 }
 
-/// \brief `plan_online_prefill(extend_lens, seq_lens, compress_plan,
-/// write_plan, use_cuda_graph) -> (num_compress, num_write)`.
-/// Lengths are int64 [B] host tensors (CPU or pinned); plans are uint8 [M, 16]
-/// host tensors with M = sum(extend_lens). Everything is validated before the
-/// first byte is written. With `use_cuda_graph` both plans are padded to M
-/// rows with sentinel rows and (M, M) is returned.
 using PlanResult = tvm::ffi::Tuple<int64_t, int64_t>;
 
-inline PlanResult plan_online_prefill(tvm::ffi::TensorView extend_lens,
-                                                             tvm::ffi::TensorView seq_lens,
-                                                             tvm::ffi::TensorView compress_plan,
-                                                             tvm::ffi::TensorView write_plan, bool use_cuda_graph) {
+/// \brief Both plans: uint8 [M, 16], contiguous, rows 16-byte aligned (the
+/// kernels load whole rows), on `device`.
+inline void verify_plans(const tvm::ffi::TensorView& compress_plan, const tvm::ffi::TensorView& write_plan,
+                         host::SymbolicSize& M, host::SymbolicDevice& device) {
+  const auto matcher = host::TensorMatcher({M, host::compress::kPrefillPlanDim})
+                           .with_dtype<host::compress::PrefillPlanTensorDtype>()
+                           .with_device(device)
+                           .with_alignment(alignof(PrefillPlan));
+  matcher.verify(compress_plan, "compress_plan");
+  matcher.verify(write_plan, "write_plan");
+}
+
+/// \brief The host path: int64 [B] lengths and uint8 [M, 16] plans, all on
+/// the CPU or pinned. Everything is validated before the first byte is
+/// written; see `C128Planner::plan`.
+inline PlanResult plan_on_host(const tvm::ffi::TensorView& extend_lens, const tvm::ffi::TensorView& seq_lens,
+                               const tvm::ffi::TensorView& compress_plan, const tvm::ffi::TensorView& write_plan,
+                               bool use_cuda_graph) {
   using namespace host;
-  using compress::kPrefillPlanDim;
-  using compress::PrefillPlanTensorDtype;
   auto B = SymbolicSize{"batch_size"};
   auto M = SymbolicSize{"num_tokens"};
   auto lens_device = SymbolicDevice{};
@@ -86,28 +137,21 @@ inline PlanResult plan_online_prefill(tvm::ffi::TensorView extend_lens,
   plan_device.set_options<kDLCPU, kDLCUDAHost>();
   TensorMatcher({B}).with_dtype<int64_t>().with_device(lens_device).verify(extend_lens, "extend_lens");
   TensorMatcher({B}).with_dtype<int64_t>().with_device(lens_device).verify(seq_lens, "seq_lens");
-  const auto plan_matcher = TensorMatcher({M, kPrefillPlanDim})
-                                .with_dtype<PrefillPlanTensorDtype>()
-                                .with_device(plan_device)
-                                .with_alignment(alignof(PrefillPlan));
-  plan_matcher.verify(compress_plan, "compress_plan");
-  plan_matcher.verify(write_plan, "write_plan");
+  verify_plans(compress_plan, write_plan, M, plan_device);
 
   const int64_t batch_size = B.unwrap();
   const int64_t num_rows = M.unwrap();
   const auto* extend = data_ptr<const int64_t>(extend_lens);
   const auto* seq = data_ptr<const int64_t>(seq_lens);
-  // Ragged ids and positions are uint32 and all-ones marks padding.
-  constexpr int64_t kMaxLength = std::numeric_limits<uint32_t>::max() - 1;
   int64_t total = 0;
   for (int64_t b = 0; b < batch_size; ++b) {
     CheckAs("ValueError", 0 < extend[b] && extend[b] <= seq[b], "argument 'extend_lens': expected 0 < extend_lens[",
             b, "] <= seq_lens[", b, "], got extend_lens[", b, "] = ", extend[b], " and seq_lens[", b, "] = ", seq[b]);
-    CheckAs("ValueError", seq[b] <= kMaxLength, "argument 'seq_lens': expected seq_lens[", b, "] <= ", kMaxLength,
-            ", got ", seq[b]);
+    CheckAs("ValueError", seq[b] <= kMaxPlanLength, "argument 'seq_lens': expected seq_lens[", b,
+            "] <= ", kMaxPlanLength, ", got ", seq[b]);
     total += extend[b];
-    CheckAs("ValueError", total <= kMaxLength, "argument 'extend_lens': expected a sum <= ", kMaxLength,
-            ", got more");
+    CheckAs("ValueError", total <= kMaxPlanLength, "argument 'extend_lens': expected a sum <= ", kMaxPlanLength,
+            ", got ", total, " after the first ", b + 1, " entries");
   }
   CheckAs("ValueError", total == num_rows, "argument 'compress_plan': expected [sum(extend_lens), 16] = [", total,
           ", 16] (write_plan too), got [", num_rows, ", 16]");
@@ -120,5 +164,436 @@ inline PlanResult plan_online_prefill(tvm::ffi::TensorView extend_lens,
   fill_sentinel_rows(write, counts.num_write, num_rows);
   return PlanResult(num_rows, num_rows);
 }
+
+// ---------------------------------------------------------------------------
+// GPU planner.
+//
+// One kernel. Every block scans the whole batch (in tiles of kPlanTile
+// requests, carrying the running sums): request b's compress rows start at
+// the exclusive prefix sum of closed-chunk counts, its write row at the prefix
+// sum of has-write flags, its ragged rows at the prefix sum of extend_lens.
+// Redundant scans cost L2 reads only and spare a grid-wide sync or a scratch
+// buffer; the batch totals they end with tell every block whether the input
+// is valid before it writes anything. Then the blocks share the writes: the
+// rows of each tile (a binary search over the tile's row offsets maps a row
+// to its request), then the sentinel padding up to M.
+// ---------------------------------------------------------------------------
+
+/// Error flag bits (counts[2]; 0 means the plan is valid), set independently
+/// by whichever conditions hold. On any error both plans are all sentinel rows
+/// and counts[0] = counts[1] = 0.
+inline constexpr uint32_t kPlanErrorExtendNotPositive = 1;  // some extend_len < 1
+inline constexpr uint32_t kPlanErrorExtendExceedsSeq = 2;   // some extend_len > seq_len
+inline constexpr uint32_t kPlanErrorSeqTooLong = 4;         // some seq_len > 2^32 - 2
+inline constexpr uint32_t kPlanErrorSumMismatch = 8;        // sum(extend_lens) != M
+
+inline constexpr uint32_t kPlanThreads = 512;
+inline constexpr uint32_t kPlanItems = 4;  // consecutive requests per thread in a tile
+inline constexpr uint32_t kPlanTile = kPlanThreads * kPlanItems;
+inline constexpr uint32_t kPlanWarps = kPlanThreads / device::kWarpThreads;
+/// Rows each thread writes in a grid of the chosen size (a launch-size knob:
+/// fewer blocks means fewer redundant scans).
+inline constexpr int64_t kPlanRowsPerThread = 8;
+
+/// \brief A device array of int32 or int64 lengths, read as int64.
+struct DeviceLengths {
+  const void* data;
+  bool is_int32;
+
+  SGL_DEVICE int64_t operator[](int64_t i) const {
+    return is_int32 ? static_cast<const int32_t*>(data)[i] : static_cast<const int64_t*>(data)[i];
+  }
+};
+
+struct GpuPlanParams {
+  DeviceLengths extend_lens;  // [B]
+  DeviceLengths seq_lens;     // [B]
+  PrefillPlan* __restrict__ compress_plan;  // [M]
+  PrefillPlan* __restrict__ write_plan;     // [M]
+  void* counts;                             // [3] int32 or int64 (num_compress, num_write, error), or null
+  bool counts_int64;
+  int64_t batch_size;
+  int64_t num_rows;
+};
+
+/// \brief One request, checked: what the scan needs and the row formulas read.
+/// An invalid request has no rows (its row fields are 0).
+struct RequestCut {
+  int64_t tokens;         // its extend_len, clamped so that any batch's sum fits int64
+  uint32_t prefix;        // position of its first new token
+  uint32_t extend_len;
+  uint32_t compress_rows;
+  uint32_t write_rows;    // 0 or 1
+  uint32_t errors;        // kPlanError* bits
+};
+
+/// Beyond this magnitude an extend_len is flagged anyway; the clamp keeps the
+/// sum over up to 2^29 requests exact, so the sum check holds for any input.
+inline constexpr int64_t kTokenClamp = int64_t{1} << 33;
+inline constexpr int64_t kMaxPlanBatch = int64_t{1} << 29;
+
+SGL_DEVICE RequestCut cut_request(int64_t extend_len, int64_t seq_len) {
+  uint32_t errors = 0;
+  if (extend_len < 1) errors |= kPlanErrorExtendNotPositive;
+  if (extend_len > seq_len) errors |= kPlanErrorExtendExceedsSeq;
+  if (seq_len > kMaxPlanLength) errors |= kPlanErrorSeqTooLong;
+  const int64_t tokens = max(-kTokenClamp, min(kTokenClamp, extend_len));
+  if (errors != 0) return RequestCut{tokens, 0, 0, 0, 0, errors};
+  const int64_t prefix = seq_len - extend_len;
+  return RequestCut{
+      .tokens = tokens,
+      .prefix = static_cast<uint32_t>(prefix),
+      .extend_len = static_cast<uint32_t>(extend_len),
+      .compress_rows = static_cast<uint32_t>(compress_rows_of(prefix, seq_len)),
+      .write_rows = has_write_row(seq_len) ? 1u : 0u,
+      .errors = 0,
+  };
+}
+
+/// \brief Prefix sums over requests. Row counts share one 64-bit word
+/// (compress rows high, write rows low): the low half never carries, since
+/// it counts at most one row per request.
+struct PlanSums {
+  int64_t tokens;
+  uint64_t rows;
+  uint32_t errors;
+
+  SGL_DEVICE int64_t compress_rows() const { return static_cast<int64_t>(rows >> 32); }
+  SGL_DEVICE int64_t write_rows() const { return static_cast<int64_t>(rows & 0xffffffffu); }
+};
+
+SGL_DEVICE PlanSums sums_of(const RequestCut& cut) {
+  return PlanSums{cut.tokens, (static_cast<uint64_t>(cut.compress_rows) << 32) | cut.write_rows, cut.errors};
+}
+
+SGL_DEVICE PlanSums combine(const PlanSums& a, const PlanSums& b) {
+  return PlanSums{a.tokens + b.tokens, a.rows + b.rows, a.errors | b.errors};
+}
+
+SGL_DEVICE PlanSums shuffle_up(const PlanSums& v, uint32_t delta) {
+  constexpr uint32_t kAll = 0xffffffffu;
+  return PlanSums{__shfl_up_sync(kAll, v.tokens, delta), __shfl_up_sync(kAll, v.rows, delta),
+                  __shfl_up_sync(kAll, v.errors, delta)};
+}
+
+/// \brief Inclusive scan over the warp's lanes.
+SGL_DEVICE PlanSums warp_inclusive_scan(PlanSums v) {
+  const uint32_t lane = threadIdx.x % device::kWarpThreads;
+#pragma unroll
+  for (uint32_t delta = 1; delta < device::kWarpThreads; delta *= 2) {
+    const PlanSums up = shuffle_up(v, delta);
+    if (lane >= delta) v = combine(up, v);
+  }
+  return v;
+}
+
+struct ScanScratch {
+  PlanSums warp_totals[kPlanWarps];
+  PlanSums warp_prefixes[kPlanWarps];
+  PlanSums block_total;
+};
+
+/// \brief Exclusive scan over the block's threads; `total` gets the block's sum.
+/// Two barriers, and the two arrays are never written and read between the
+/// same pair, so back-to-back scans need no extra barrier.
+SGL_DEVICE PlanSums block_exclusive_scan(const PlanSums& v, ScanScratch& scratch, PlanSums& total) {
+  const uint32_t lane = threadIdx.x % device::kWarpThreads;
+  const uint32_t warp = threadIdx.x / device::kWarpThreads;
+  const PlanSums inclusive = warp_inclusive_scan(v);
+  PlanSums exclusive = shuffle_up(inclusive, 1);
+  if (lane == 0) exclusive = PlanSums{0, 0, 0};
+  if (lane == device::kWarpThreads - 1) scratch.warp_totals[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const PlanSums mine = lane < kPlanWarps ? scratch.warp_totals[lane] : PlanSums{0, 0, 0};
+    const PlanSums warps_inclusive = warp_inclusive_scan(mine);
+    PlanSums warps_exclusive = shuffle_up(warps_inclusive, 1);
+    if (lane == 0) warps_exclusive = PlanSums{0, 0, 0};
+    if (lane < kPlanWarps) scratch.warp_prefixes[lane] = warps_exclusive;
+    if (lane == kPlanWarps - 1) scratch.block_total = warps_inclusive;
+  }
+  __syncthreads();
+  total = scratch.block_total;
+  return combine(scratch.warp_prefixes[warp], exclusive);
+}
+
+/// \brief One thread's requests of a tile, with everything before each of them.
+struct TileScan {
+  RequestCut cuts[kPlanItems];
+  PlanSums before[kPlanItems];  // sums over all earlier requests of the batch
+  PlanSums end;                 // sums over the batch up to the tile's end
+};
+
+/// \brief Loads and scans tile `tile`; `carry` is the sum over earlier tiles.
+SGL_DEVICE TileScan scan_tile(const GpuPlanParams& params, int64_t tile, const PlanSums& carry,
+                              ScanScratch& scratch) {
+  TileScan scan;
+  const int64_t first = tile * kPlanTile + static_cast<int64_t>(threadIdx.x) * kPlanItems;
+  PlanSums mine{0, 0, 0};
+#pragma unroll
+  for (uint32_t i = 0; i < kPlanItems; ++i) {
+    const int64_t b = first + i;
+    scan.cuts[i] = b < params.batch_size ? cut_request(params.extend_lens[b], params.seq_lens[b])
+                                         : RequestCut{0, 0, 0, 0, 0, 0};
+    mine = combine(mine, sums_of(scan.cuts[i]));
+  }
+  PlanSums tile_total;
+  PlanSums before = combine(carry, block_exclusive_scan(mine, scratch, tile_total));
+#pragma unroll
+  for (uint32_t i = 0; i < kPlanItems; ++i) {
+    scan.before[i] = before;
+    before = combine(before, sums_of(scan.cuts[i]));
+  }
+  scan.end = combine(carry, tile_total);
+  return scan;
+}
+
+/// \brief What the compress-row writers need of each request of a tile.
+struct TileRequests {
+  uint32_t first_compress_row[kPlanTile];
+  uint32_t ragged_start[kPlanTile];
+  uint32_t prefix[kPlanTile];
+};
+
+/// \brief The last request in `[0, count)` whose first compress row is at
+/// most `row` (a request without compress rows shares its successor's first
+/// row, so it is never the one found for a row inside the tile's range).
+SGL_DEVICE uint32_t find_request(const uint32_t* first_row, uint32_t count, uint32_t row) {
+  uint32_t lo = 0;
+  while (count > 1) {
+    const uint32_t half = count / 2;
+    if (first_row[lo + half] <= row) {
+      lo += half;
+      count -= half;
+    } else {
+      count = half;
+    }
+  }
+  return lo;
+}
+
+SGL_DEVICE void store_row(PrefillPlan* plan, int64_t index, const PrefillPlan& row) {
+  // One 16-byte store: rows are 16-byte aligned (checked on the host).
+  *reinterpret_cast<uint4*>(plan + index) = make_uint4(row.ragged_id, row.batch_id, row.position, row.window_len);
+}
+
+/// \brief This thread's share of rows `[begin, end)` of a grid-wide range.
+struct GridStride {
+  int64_t first;
+  int64_t step;
+
+  SGL_DEVICE static GridStride of_thread() {
+    return GridStride{static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                      static_cast<int64_t>(gridDim.x) * blockDim.x};
+  }
+};
+
+SGL_DEVICE void fill_sentinel_rows_on_grid(PrefillPlan* plan, int64_t begin, int64_t end) {
+  const GridStride stride = GridStride::of_thread();
+  const uint4 padding = make_uint4(kPlanSentinel, kPlanSentinel, kPlanSentinel, kPlanSentinel);
+  for (int64_t r = begin + stride.first; r < end; r += stride.step) {
+    *reinterpret_cast<uint4*>(plan + r) = padding;
+  }
+}
+
+/// \brief Writes the rows of one scanned tile. Write rows: one per request,
+/// by the block the tile is assigned to. Compress rows: spread over the grid.
+/// Starts and ends with the tile's requests published in / released from
+/// shared memory (a barrier each).
+SGL_DEVICE void write_tile_rows(const GpuPlanParams& params, int64_t tile, const TileScan& scan,
+                                const PlanSums& tile_begin, TileRequests& requests) {
+  const int64_t tile_first = tile * kPlanTile;
+  const auto count = static_cast<uint32_t>(std::min<int64_t>(kPlanTile, params.batch_size - tile_first));
+  const bool writes_write_rows = tile % gridDim.x == blockIdx.x;
+#pragma unroll
+  for (uint32_t i = 0; i < kPlanItems; ++i) {
+    const uint32_t local = threadIdx.x * kPlanItems + i;
+    if (local >= count) break;
+    const RequestCut& cut = scan.cuts[i];
+    const PlanSums& before = scan.before[i];
+    requests.first_compress_row[local] = static_cast<uint32_t>(before.compress_rows());
+    requests.ragged_start[local] = static_cast<uint32_t>(before.tokens);
+    requests.prefix[local] = cut.prefix;
+    if (writes_write_rows && cut.write_rows != 0) {
+      const int64_t seq_len = static_cast<int64_t>(cut.prefix) + cut.extend_len;
+      store_row(params.write_plan, before.write_rows(),
+                write_row_of(cut.prefix, seq_len, before.tokens, tile_first + local));
+    }
+  }
+  __syncthreads();
+  const GridStride stride = GridStride::of_thread();
+  for (int64_t r = tile_begin.compress_rows() + stride.first; r < scan.end.compress_rows(); r += stride.step) {
+    const uint32_t local = find_request(requests.first_compress_row, count, static_cast<uint32_t>(r));
+    const int64_t k = r - requests.first_compress_row[local];
+    store_row(params.compress_plan, r,
+              compress_row_of(requests.prefix[local], requests.ragged_start[local], tile_first + local, k));
+  }
+  __syncthreads();
+}
+
+SGL_DEVICE void store_counts(const GpuPlanParams& params, int64_t num_compress, int64_t num_write, uint32_t errors) {
+  if (params.counts == nullptr || blockIdx.x != 0 || threadIdx.x != 0) return;
+  if (params.counts_int64) {
+    auto* counts = static_cast<int64_t*>(params.counts);
+    counts[0] = num_compress;
+    counts[1] = num_write;
+    counts[2] = errors;
+  } else {
+    auto* counts = static_cast<int32_t*>(params.counts);
+    counts[0] = static_cast<int32_t>(num_compress);
+    counts[1] = static_cast<int32_t>(num_write);
+    counts[2] = static_cast<int32_t>(errors);
+  }
+}
+
+template <bool kUsePDL>
+__global__ void __launch_bounds__(kPlanThreads)
+    plan_online_prefill_kernel(const __grid_constant__ GpuPlanParams params) {
+  __shared__ ScanScratch scratch;
+  __shared__ TileRequests requests;
+  // The lengths may come from the previous kernel, and that kernel may still
+  // read the plans this one overwrites.
+  device::PDLWaitPrimary<kUsePDL>();
+
+  // Pass 1: batch totals. A one-tile batch keeps its scan for pass 2.
+  const int64_t num_tiles = (params.batch_size + kPlanTile - 1) / kPlanTile;
+  PlanSums total{0, 0, 0};
+  TileScan first_tile{};
+  for (int64_t tile = 0; tile < num_tiles; ++tile) {
+    const TileScan scan = scan_tile(params, tile, total, scratch);
+    if (tile == 0) first_tile = scan;
+    total = scan.end;
+  }
+  device::PDLTriggerSecondary<kUsePDL>();
+
+  uint32_t errors = total.errors;
+  if (total.tokens != params.num_rows) errors |= kPlanErrorSumMismatch;
+  const int64_t num_compress = errors != 0 ? 0 : total.compress_rows();
+  const int64_t num_write = errors != 0 ? 0 : total.write_rows();
+  store_counts(params, num_compress, num_write, errors);
+  fill_sentinel_rows_on_grid(params.compress_plan, num_compress, params.num_rows);
+  fill_sentinel_rows_on_grid(params.write_plan, num_write, params.num_rows);
+  if (errors != 0) return;  // block-uniform: every block scanned the same totals
+
+  // Pass 2: the rows.
+  if (num_tiles == 1) {
+    write_tile_rows(params, 0, first_tile, PlanSums{0, 0, 0}, requests);
+    return;
+  }
+  PlanSums carry{0, 0, 0};
+  for (int64_t tile = 0; tile < num_tiles; ++tile) {
+    const TileScan scan = scan_tile(params, tile, carry, scratch);
+    write_tile_rows(params, tile, scan, carry, requests);
+    carry = scan.end;
+  }
+}
+
+/// \brief Checks a CUDA lengths tensor's dtype (int32 or int64); true for int32.
+inline bool lengths_are_int32(const tvm::ffi::TensorView& lengths, const char* name) {
+  using namespace host;
+  const DLDataType dtype = lengths.dtype();
+  const bool is_int32 = same_dtype(dtype, DTypeOf<int32_t>::value);
+  CheckAs("TypeError", is_int32 || same_dtype(dtype, DTypeOf<int64_t>::value), "argument '", name,
+          "': expected dtype int64 or int32, got ", dtype_to_string(dtype));
+  return is_int32;
+}
+
+/// \brief The GPU path: int32 or int64 [B] CUDA lengths, uint8 [M, 16] plans
+/// and optional int32 or int64 [3] counts, all on one CUDA device. Checks only
+/// what the host sees without a sync; see `C128Planner::plan_counted`.
+template <bool kUsePDL>
+inline PlanResult plan_on_device(const tvm::ffi::TensorView& extend_lens, const tvm::ffi::TensorView& seq_lens,
+                                 const tvm::ffi::TensorView& compress_plan, const tvm::ffi::TensorView& write_plan,
+                                 const tvm::ffi::Optional<tvm::ffi::TensorView>& counts) {
+  using namespace host;
+  auto B = SymbolicSize{"batch_size"};
+  auto M = SymbolicSize{"num_tokens"};
+  auto device = SymbolicDevice{};
+  device.set_options<kDLCUDA>();
+  TensorMatcher({B}).with_device(device).verify(extend_lens, "extend_lens");
+  TensorMatcher({B}).with_device(device).verify(seq_lens, "seq_lens");
+  const bool extend_int32 = lengths_are_int32(extend_lens, "extend_lens");
+  const bool seq_int32 = lengths_are_int32(seq_lens, "seq_lens");
+  verify_plans(compress_plan, write_plan, M, device);
+  bool counts_int64 = false;
+  if (counts.has_value()) {
+    TensorMatcher({3}).with_device(device).verify(*counts, "counts");
+    counts_int64 = !lengths_are_int32(*counts, "counts");
+  }
+  const int64_t num_rows = M.unwrap();
+  CheckAs("ValueError", B.unwrap() <= kMaxPlanBatch, "argument 'extend_lens': expected at most ", kMaxPlanBatch,
+          " requests, got ", B.unwrap());
+  CheckAs("ValueError", num_rows <= kMaxPlanLength, "argument 'compress_plan': expected at most ", kMaxPlanLength,
+          " rows, got ", num_rows);
+  CheckAs("ValueError", counts_int64 || num_rows <= std::numeric_limits<int32_t>::max(),
+          "argument 'counts': int32 counts hold at most 2^31-1 rows, got plans of ", num_rows,
+          " rows (pass int64 counts)");
+
+  const GpuPlanParams params{
+      .extend_lens = DeviceLengths{data_ptr<const void>(extend_lens), extend_int32},
+      .seq_lens = DeviceLengths{data_ptr<const void>(seq_lens), seq_int32},
+      .compress_plan = data_ptr<PrefillPlan>(compress_plan),
+      .write_plan = data_ptr<PrefillPlan>(write_plan),
+      .counts = counts.has_value() ? data_ptr<void>(*counts) : nullptr,
+      .counts_int64 = counts_int64,
+      .batch_size = B.unwrap(),
+      .num_rows = num_rows,
+  };
+  const DLDevice dl_device = device.unwrap();
+  // Enough blocks for the ~2M rows to write, at most one per SM: each block
+  // also rescans the batch.
+  const int64_t wanted = (2 * num_rows + kPlanThreads * kPlanRowsPerThread - 1) / (kPlanThreads * kPlanRowsPerThread);
+  const int64_t max_blocks = runtime::multiprocessor_count(dl_device.device_id);
+  const auto blocks = static_cast<uint32_t>(std::clamp<int64_t>(wanted, 1, max_blocks));
+  LaunchKernel(blocks, kPlanThreads, dl_device).enable_pdl(kUsePDL)(plan_online_prefill_kernel<kUsePDL>, params);
+  return PlanResult(num_rows, num_rows);
+}
+
+// ---------------------------------------------------------------------------
+// Exports (one per (head_dim, use_pdl) variant; only the GPU launch uses PDL).
+// ---------------------------------------------------------------------------
+
+template <bool kUsePDL>
+struct C128Planner {
+  /// \brief `plan_online_prefill(extend_lens, seq_lens, compress_plan,
+  /// write_plan, use_cuda_graph) -> (num_compress, num_write)`.
+  ///
+  /// Host lengths (CPU or pinned): int64 [B]; plans uint8 [M, 16] host
+  /// tensors with M = sum(extend_lens). Validated before the first byte is
+  /// written (ValueError / TypeError). With `use_cuda_graph` both plans are
+  /// padded to M rows with sentinel rows and (M, M) is returned.
+  ///
+  /// CUDA lengths: the GPU planner, as `plan_counted` without counts.
+  static PlanResult plan(tvm::ffi::TensorView extend_lens, tvm::ffi::TensorView seq_lens,
+                         tvm::ffi::TensorView compress_plan, tvm::ffi::TensorView write_plan, bool use_cuda_graph) {
+    return plan_counted(extend_lens, seq_lens, compress_plan, write_plan, use_cuda_graph,
+                        tvm::ffi::Optional<tvm::ffi::TensorView>());
+  }
+
+  /// \brief `plan_online_prefill(extend_lens, seq_lens, compress_plan,
+  /// write_plan, use_cuda_graph, counts) -> (M, M)`.
+  ///
+  /// CUDA lengths (int32 or int64 [B], may differ) with CUDA plans, on one
+  /// device: plans on the GPU on the current stream, with no host sync, and
+  /// always in the CUDA-graph form (valid rows first, then sentinel rows up to
+  /// M; `use_cuda_graph` is ignored). Returns (M, M). `counts` (None or an
+  /// int32 / int64 [3] tensor on the same device) receives (num_compress,
+  /// num_write, error flag). Values the host cannot see do not raise: on
+  /// invalid lengths both plans are all sentinel rows (the prefill kernels
+  /// then do nothing) and the flag is non-zero (kPlanError* bits).
+  ///
+  /// Host lengths: `counts` must be None (errors raise and the counts are returned).
+  static PlanResult plan_counted(tvm::ffi::TensorView extend_lens, tvm::ffi::TensorView seq_lens,
+                                 tvm::ffi::TensorView compress_plan, tvm::ffi::TensorView write_plan,
+                                 bool use_cuda_graph, tvm::ffi::Optional<tvm::ffi::TensorView> counts) {
+    if (extend_lens.device().device_type == kDLCUDA) {
+      return plan_on_device<kUsePDL>(extend_lens, seq_lens, compress_plan, write_plan, counts);
+    }
+    host::CheckAs("ValueError", !counts.has_value(),
+                  "argument 'counts': expected None with host lengths (the host planner returns the counts and "
+                  "raises on invalid lengths); counts are for CUDA lengths");
+    return plan_on_host(extend_lens, seq_lens, compress_plan, write_plan, use_cuda_graph);
+  }
+};
 
 }  // namespace flash_compress::c128

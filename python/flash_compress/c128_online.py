@@ -12,6 +12,7 @@ HEAD_DIMS_TESTED = (128, 256, 512)
 
 _HEADER = "deepseek_v4/c128_online.cuh"
 _CLASS = "flash_compress::c128::C128Online<{head_dim}, {use_pdl}>"
+_PLANNER = "flash_compress::c128::C128Planner<{use_pdl}>"
 _CUDA_FLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr", "-lineinfo")
 
 
@@ -35,14 +36,17 @@ def resolve_use_pdl(use_pdl: bool | None, arch_list: tuple[str, ...]) -> bool:
 def spec(head_dim: int, use_pdl: bool) -> jit.JitSpec:
     """The build of one ``(head_dim, use_pdl)`` variant."""
     _check_head_dim(head_dim)
-    cls = _CLASS.format(head_dim=head_dim, use_pdl="true" if use_pdl else "false")
+    pdl = "true" if use_pdl else "false"
+    cls = _CLASS.format(head_dim=head_dim, use_pdl=pdl)
+    planner = _PLANNER.format(use_pdl=pdl)
     return jit.JitSpec(
         name=f"c128_online_hd{head_dim}_pdl{int(use_pdl)}",
         headers=(_HEADER,),
         exports={
             "run_decode": f"{cls}::run_decode",
             "run_prefill": f"{cls}::run_prefill",
-            "plan_online_prefill": "flash_compress::c128::plan_online_prefill",
+            # 5 arguments (SPEC.md section 3) or 6 (a trailing `counts`, for CUDA lengths).
+            "plan_online_prefill": (f"{planner}::plan", f"{planner}::plan_counted"),
         },
         include_dirs=source_roots(),
         extra_cuda_cflags=_CUDA_FLAGS,
@@ -54,8 +58,10 @@ def load_module(head_dim: int = 512, use_pdl: bool | None = None):  # -> tvm_ffi
 
     Returns the tvm-ffi module with ``run_decode``, ``run_prefill`` and
     ``plan_online_prefill``, which take DLPack tensors as ``SPEC.md`` section 3
-    describes. ``use_pdl=None`` enables programmatic dependent launch when every
-    target arch is sm_90 or newer. Builds are cached per variant; see
+    describes; given CUDA lengths, the planner plans on the GPU and takes an
+    optional 6th argument ``counts`` (see ``docs/GPU_PLANNER.md``).
+    ``use_pdl=None`` enables programmatic dependent launch when every target
+    arch is sm_90 or newer. Builds are cached per variant; see
     :mod:`flash_compress.jit` for the cache and its environment variables.
     """
     _check_head_dim(head_dim)

@@ -108,7 +108,7 @@ class KeyInputs:
     name: str
     source_sha256: str
     headers: tuple[str, ...]
-    exports: tuple[tuple[str, str], ...]
+    exports: tuple[tuple[str, str | tuple[str, ...]], ...]
     include_trees: tuple[TreeDigest, ...]
     extra_cuda_cflags: tuple[str, ...]
     extra_cflags: tuple[str, ...]
