@@ -225,7 +225,7 @@ class TensorMatcher {
 
   const TensorMatcher& verify(const tvm::ffi::TensorView& tensor, const char* name) const {
     if (tensor.ndim() != static_cast<int32_t>(dims_.size())) {
-      fail("ValueError", name, "expected a " + std::to_string(dims_.size()) + "-D tensor of shape " + expected_shape(),
+      fail("ValueError", name, "a " + std::to_string(dims_.size()) + "-D tensor of shape " + expected_shape(),
            "a " + std::to_string(tensor.ndim()) + "-D tensor of shape " + actual_shape(tensor));
     }
     // Compare fixed sizes first so that a symbol is never bound by a tensor

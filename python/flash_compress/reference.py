@@ -363,6 +363,7 @@ def run_decode(
 
 def _live_rows(plan: torch.Tensor, name: str, num_tokens: int, batch: int, compress: bool) -> np.ndarray:
     """Decodes a plan, drops sentinel rows and validates the rest against the input sizes."""
+    _check_plan_tensor(plan, name)  # before decode_plan, so the error names this plan
     rows = decode_plan(plan)
     rows = rows[rows[:, 0] != PLAN_SENTINEL]
     for ragged, b, position, window in rows.tolist():

@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""Runs compute-sanitizer (memcheck, racecheck, initcheck, synccheck) over the kernels, PDL off and on.
+
+    python scripts/sanitize.py --out sanitizer-logs            # all 4 tools x PDL 0/1
+    python scripts/sanitize.py --out logs --tools memcheck --pdl 1
+
+Each (tool, pdl) run sanitizes one short driver process (this script with
+``--driver``) that loads the ``head_dim=128`` variant and runs, through
+``tests/device_runner.py`` (host tensors in and out, so the only GPU work is
+host<->device copies and our kernels; no torch kernel runs to report on):
+
+1. a fixed schedule of ``tests/schedule.py``'s harness: decode (positions 0,
+   mid-chunk and 127), prefill with compress and write rows, a slot move
+   through ``load_indices``, a CUDA-graph padded plan, every result checked
+   against the float64 oracle;
+2. calls with values only the device sees (``tests/device_values.py``):
+   slots outside the pool, seq_len < 1, spoilt plan rows, random plan bytes;
+3. plans of ~1.2M padding rows around a few real ones, so every warp of a
+   prefill pass loops over several batches of rows (on an H200 one round
+   covers ~540K rows).
+
+torch's caching allocator is off in the driver (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``),
+so every tensor is its own cudaMalloc and memcheck sees the exact bounds.
+The variants are built (or found in the cache) before any sanitizer starts,
+and the driver runs with ``FLASH_COMPRESS_DISABLE_JIT=1``, so no compiler runs
+under the sanitizer.
+
+Prints one line per run, e.g. ``memcheck pdl=1: 0 errors``, keeps the full
+sanitizer log and the driver's output under ``--out``, and exits non-zero if
+any run reports an error, the driver fails, or a run times out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+HEAD_DIM = 128
+DRIVER_OK = "SANITIZE DRIVER OK"
+
+# Tool options: racecheck reports every hazard it sees; memcheck also checks
+# device-side API calls. No leak check: torch does not free all of its
+# allocations at exit, and leaks are not what this run is after.
+TOOL_FLAGS = {
+    "memcheck": ["--check-device-heap", "yes"],
+    "racecheck": ["--racecheck-report", "all"],
+    "initcheck": [],
+    "synccheck": [],
+}
+
+
+# ---------------------------------------------------------------------------
+# The driver: the GPU work each sanitizer run watches.
+# ---------------------------------------------------------------------------
+
+
+def _driver(use_pdl: bool) -> None:
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "python")]
+    import torch
+
+    import device_values as dv
+    import flash_compress
+    from device_runner import DeviceRunner
+    from schedule import ScheduleHarness
+
+    module = flash_compress.load_module(head_dim=HEAD_DIM, use_pdl=use_pdl)
+    run = DeviceRunner(module)  # no guard zones: exact allocation bounds for memcheck
+
+    # 1. A fixed schedule covering every kernel path, checked against the oracle.
+    h = ScheduleHarness(run, head_dim=HEAD_DIM, device="cpu", seed=3, num_slots=8)
+    a, b, c = (h.start_request() for _ in range(3))
+    h.prefill_step([(a, 200, None), (b, 127, None), (c, 1, None)])  # compress + write rows; b ends at 127
+    h.decode_step([b, a, c])  # b closes a chunk (pos 127), a stores mid-chunk
+    h.decode_step([b])  # b at pos 0: reset
+    h.prefill_step([(a, 60, h.free_slots[0]), (c, 300, None)], use_cuda_graph=True)  # move a; padded plans
+    h.prefill_step([(b, 5, None)], pass_load_indices=True)
+    for _ in range(4):
+        h.random_step()
+    h.check_live_states()
+    print(f"schedule: {h.stats.decode_calls} decode, {h.stats.prefill_calls} prefill calls, "
+          f"{h.stats.rows_checked} rows checked", flush=True)
+
+    # 2. Values only the device sees.
+    for seed in range(2):
+        call = dv.bad_decode_call(seed, HEAD_DIM)
+        buffer, output = call.buffer.clone(), call.output.clone()
+        run.run_decode(buffer, call.inputs, output, call.ape, call.indices, call.seq_lens, None)
+        dv.check_against_reference(call, buffer, output, f"bad decode {seed}")
+        call = dv.bad_prefill_call(seed, HEAD_DIM)
+        buffer, output = call.buffer.clone(), call.output.clone()
+        run.run_prefill(*(buffer, call.inputs, output) + call.args()[3:])
+        dv.check_against_reference(call, buffer, output, f"bad prefill {seed}")
+    for seed in range(3):
+        call = dv.random_bytes_call(seed, HEAD_DIM)
+        run.run_prefill(*(call.buffer.clone(), call.inputs, call.output.clone()) + call.args()[3:])
+    print("device-only values: done", flush=True)
+
+    # 3. Plans long enough that every warp loops over several batches of rows.
+    call = dv.long_padded_call(0, HEAD_DIM, rows=1_200_000)
+    buffer, output = call.buffer.clone(), call.output.clone()
+    run.run_prefill(*(buffer, call.inputs, output) + call.args()[3:])
+    dv.check_against_reference(call, buffer, output, "long padded plans")
+    torch.cuda.synchronize()
+    print(DRIVER_OK, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# The runs.
+# ---------------------------------------------------------------------------
+
+
+def find_sanitizer() -> str | None:
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "compute-sanitizer").is_file():
+            return str(Path(home) / "bin" / "compute-sanitizer")
+    return None
+
+
+def _prebuild(pdl_values: list[int]) -> None:
+    """Builds (or finds cached) every variant the runs load, outside any sanitizer."""
+    sys.path.insert(0, str(ROOT / "python"))
+    import flash_compress
+
+    for pdl in pdl_values:
+        flash_compress.load_module(head_dim=HEAD_DIM, use_pdl=bool(pdl))
+
+
+_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+error")
+
+
+def _run_one(sanitizer: str, tool: str, pdl: int, out: Path, timeout: float, target_processes: str) -> tuple[bool, str]:
+    """One sanitized driver run; returns (clean, summary line)."""
+    stem = f"{tool}_pdl{pdl}"
+    log = out / f"{stem}.log"
+    command = [sanitizer, "--tool", tool, "--target-processes", target_processes, "--log-file", str(log),
+               *TOOL_FLAGS[tool], sys.executable, str(Path(__file__).resolve()), "--driver", "--pdl", str(pdl)]
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", FLASH_COMPRESS_DISABLE_JIT="1")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as expired:
+        rc, stdout, stderr = None, expired.stdout or "", expired.stderr or ""
+        stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+        stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
+    seconds = time.monotonic() - start
+    (out / f"{stem}.stdout").write_text(f"$ {' '.join(command)}\n{stdout}\n--- stderr ---\n{stderr}")
+    text = log.read_text(errors="replace") if log.exists() else ""
+    match = _SUMMARY.search(text)
+    label = f"{tool} pdl={pdl}:"
+    if rc is None:
+        return False, f"{label} TIMEOUT after {seconds:.0f}s (log {log})"
+    if match is None:
+        return False, f"{label} no sanitizer summary (exit {rc}; see {log} and {stem}.stdout)"
+    errors = int(match.group(1))
+    driver_ok = DRIVER_OK in stdout
+    line = f"{label} {errors} errors ({seconds:.0f}s)"
+    if not driver_ok or rc != 0:
+        line += f"; driver failed (exit {rc}; see {out / (stem + '.stdout')})"
+    return errors == 0 and driver_ok and rc == 0, line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="directory for the logs (created)")
+    parser.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
+    parser.add_argument("--pdl", nargs="+", type=int, choices=(0, 1), default=[0, 1])
+    parser.add_argument("--timeout", type=float, default=150.0, help="seconds per sanitizer run")
+    parser.add_argument("--target-processes", default="all", choices=("all", "application-only"))
+    parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.driver:
+        _driver(bool(args.pdl[0]))
+        return 0
+    if args.out is None:
+        parser.error("--out is required")
+    sanitizer = find_sanitizer()
+    if sanitizer is None:
+        print("compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    _prebuild(args.pdl)
+    clean = True
+    lines = []
+    for tool in args.tools:
+        for pdl in args.pdl:
+            ok, line = _run_one(sanitizer, tool, pdl, args.out, args.timeout, args.target_processes)
+            print(line, flush=True)
+            lines.append(line)
+            clean &= ok
+    (args.out / "summary.txt").write_text("\n".join(lines) + "\n")
+    print("all clean" if clean else "SANITIZER ERRORS (see the logs)", flush=True)
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Every bad argument of the raw compiled functions, and of the reference, is refused with a clear error.
+
+The matrix is ``tests/boundary.py``. Each case must raise the documented
+Python exception (TypeError for a dtype or a non-tensor, ValueError for the
+rest) whose message names the argument and says what was expected and what
+came, and must write nothing. Needs nvcc, not a GPU: without one, kernel
+tensors are host tensors relabelled as CUDA (every check runs before any
+launch); with one, they are real CUDA tensors and nothing-written is checked
+on the device too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import boundary
+from conftest import cuda_available
+from flash_compress import reference as ref
+
+REAL_GPU = cuda_available()
+CASES = boundary.all_cases()
+
+
+@pytest.fixture(scope="module")
+def module():
+    """The compiled head_dim=128 variant (compiled once, then loaded from the cache)."""
+    import flash_compress
+
+    return flash_compress.load_module(head_dim=boundary.HEAD_DIM)
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_argument_is_refused_clearly(module, case):
+    values = boundary.valid_values()[case.function]
+    with pytest.raises(Exception) as caught:
+        boundary.call(module, case, case.function, values, REAL_GPU)
+    error = caught.value
+    message = str(error)
+    assert type(error) is case.error, f"{case.id}: raised {type(error).__name__}({message!r}), want {case.error.__name__}"
+    low = message.lower()
+    assert "expected" in low and "got" in low, f"{case.id}: message lacks expected/got: {message!r}"
+    assert "expected expected" not in low, f"{case.id}: garbled message: {message!r}"
+    for name in case.names:
+        assert f"argument '{name}'" in message, f"{case.id}: message does not name '{name}': {message!r}"
+    for fragment in case.fragments:
+        assert fragment in message, f"{case.id}: message lacks {fragment!r}: {message!r}"
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("function", sorted(boundary.FUNCTIONS))
+def test_valid_baseline_passes_every_check(module, function):
+    """The matrix's starting point is valid: on a GPU it runs; without one it gets as far as the launch."""
+    values = boundary.valid_values()[function]
+    if function == "plan_online_prefill" or REAL_GPU:
+        result, _ = boundary.call(module, None, function, values, REAL_GPU)
+        if function == "plan_online_prefill":
+            assert tuple(int(x) for x in result) == (1, 3)
+        return
+    with pytest.raises(RuntimeError) as caught:
+        boundary.call(module, None, function, values, REAL_GPU)
+    assert "argument" not in str(caught.value), f"a host check refused the valid call: {caught.value}"
+
+
+@pytest.mark.nvcc
+def test_planner_accepts_pinned_host_tensors(module):
+    """cuda_host (pinned) lengths and plans are as good as CPU ones; relabelled host memory stands in for them."""
+    values = boundary.valid_values()["plan_online_prefill"]
+    pinned = {name: boundary.relabel(v, boundary.DL_CUDA_HOST) if isinstance(v, torch.Tensor) else v
+              for name, v in values.items()}
+    got = module.plan_online_prefill(*(pinned[a.name] for a in boundary.FUNCTIONS["plan_online_prefill"]))
+    want_plans = boundary.valid_values()["plan_online_prefill"]
+    want = ref.plan_online_prefill(*(want_plans[a.name] for a in boundary.FUNCTIONS["plan_online_prefill"]))
+    assert tuple(int(x) for x in got) == tuple(want)
+    assert torch.equal(values["compress_plan"], want_plans["compress_plan"])
+    assert torch.equal(values["write_plan"], want_plans["write_plan"])
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("case", [c for c in CASES if c.function == "plan_online_prefill" and not c.positional],
+                         ids=lambda c: c.id)
+def test_refused_planner_call_writes_nothing(module, case):
+    values = boundary.valid_values()["plan_online_prefill"]
+    before = {name: values[name].clone() for name in ("compress_plan", "write_plan")}
+    with pytest.raises((TypeError, ValueError)):
+        boundary.call(module, case, "plan_online_prefill", values, REAL_GPU)
+    for name, old in before.items():
+        assert torch.equal(values[name], old), f"{case.id}: {name} written before the error"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in CASES if c.function != "plan_online_prefill" and not c.positional],
+                         ids=lambda c: c.id)
+def test_refused_kernel_call_writes_nothing_on_gpu(module, case):
+    """On the device: the state buffer and the output are bitwise unchanged after a refused call."""
+    values = boundary.valid_values()[case.function]
+    cuda = {name: v.cuda() if isinstance(v, torch.Tensor) else v for name, v in values.items()}
+    watched = {name: cuda[name].clone() for name in ("kv_score_buffer", "kv_compressed_output")}
+    # The case's own argument is placed by `call`; every other one is these CUDA tensors, watched afterwards.
+    with pytest.raises((TypeError, ValueError)):
+        boundary.call(module, case, case.function, cuda, True)
+    torch.cuda.synchronize()
+    for name, old in watched.items():
+        if name != case.arg:
+            assert torch.equal(cuda[name].view(torch.int32), old.view(torch.int32)), f"{case.id}: {name} written"
+
+
+# ---------------------------------------------------------------------------
+# The reference: the same functions in PyTorch, the same kind of messages.
+# ---------------------------------------------------------------------------
+
+# The reference takes any float dtype and any layout (it computes in float64 and
+# indexes with torch), so dtype cases there are non-float / non-integer ones.
+_REFERENCE_DTYPES = {torch.float32: torch.int32, torch.int32: torch.float32, torch.int64: torch.float64,
+                     torch.uint8: torch.int8}
+
+
+_STATE_TENSORS = ("kv_score_buffer", "kv_score_input", "kv_compressed_output", "ape")
+
+
+def _reference_cases():
+    values = boundary.valid_values()
+    cases = []
+    for function, args in boundary.FUNCTIONS.items():
+        for arg in args:
+            if not arg.tensor:
+                continue
+            valid = values[function][arg.name]
+            shared = tuple(a.name for a in args if a.tensor and set(a.dims) & set(arg.dims) - {1, 16, boundary.CHUNK})
+            if arg.name in _STATE_TENSORS:  # the reference reads head_dim off ape, then checks the others
+                shared += _STATE_TENSORS
+            bad = {"dtype": (valid.to(_REFERENCE_DTYPES[arg.dtype]), TypeError),
+                   "rank_plus_1": (valid.unsqueeze(-1), ValueError)}
+            if not arg.optional:
+                bad["none"] = (None, TypeError)
+            if arg.dtype != torch.uint8 or function == "plan_online_prefill":
+                bad["not_a_tensor"] = ([1, 2, 3], TypeError)
+            if arg.dtype == torch.uint8:
+                bad["width_17"] = (torch.zeros(valid.shape[0], 17, dtype=torch.uint8), ValueError)
+            for i, dim in enumerate(arg.dims):
+                if dim in ("num_slots", "num_compress_rows", "num_write_rows"):
+                    continue  # free sizes
+                if function == "run_prefill" and dim == "batch_size" and arg.name == "indices":
+                    continue  # binds the batch; load_indices would report it (covered from that side)
+                shape = list(valid.shape)
+                shape[i] += 1
+                bad[f"dim{i}_size"] = (torch.zeros(shape, dtype=valid.dtype), ValueError)
+            for kind, (value, error) in bad.items():
+                # A size shared with other tensors may be reported by whichever is checked against it.
+                names = (arg.name,) if kind in ("dtype", "none", "not_a_tensor") else (arg.name, *shared)
+                cases.append(pytest.param(function, arg.name, value, error, names, id=f"{function}-{arg.name}-{kind}"))
+    return cases
+
+
+@pytest.mark.parametrize("function, name, value, error, names", _reference_cases())
+def test_reference_refuses_bad_argument_clearly(function, name, value, error, names):
+    values = boundary.valid_values()[function]
+    watched = {k: v.clone() for k, v in values.items() if k in ("kv_score_buffer", "kv_compressed_output",
+                                                                   "compress_plan", "write_plan")}
+    values[name] = value
+    args = [values[a.name] for a in boundary.FUNCTIONS[function]]
+    with pytest.raises(error) as caught:
+        getattr(ref, function)(*args)
+    message = str(caught.value)
+    assert "expected" in message and "got" in message, f"message lacks expected/got: {message!r}"
+    assert any(f"argument '{n}'" in message for n in names), f"message names none of {names}: {message!r}"
+    for key, old in watched.items():
+        if key != name:
+            assert torch.equal(values[key].view(torch.uint8), old.view(torch.uint8)), f"{key} written before the error"
+
+
+@pytest.mark.parametrize("function", ["run_decode", "run_prefill"])
+@pytest.mark.parametrize("name", ["kv_compressed_output", "ape", "indices"])
+def test_reference_refuses_tensors_on_another_device(function, name):
+    """A meta tensor among CPU ones stands in for a second device."""
+    values = boundary.valid_values()[function]
+    values[name] = values[name].to("meta")
+    with pytest.raises(ValueError, match=f"argument '{name}': expected device cpu like kv_score_buffer, got meta"):
+        getattr(ref, function)(*(values[a.name] for a in boundary.FUNCTIONS[function]))
