@@ -10,7 +10,12 @@ runs the reference on the CPU, and says what it skipped.
 
 from __future__ import annotations
 
+import logging
+import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +28,70 @@ TOLERANCE = 2e-5  # relative L2 error allowed against the float64 reference
 
 def _say(message: str) -> None:
     print(message, flush=True)
+
+
+@contextmanager
+def _progress(label: str, *, every_s: float = 0.5) -> Iterator[None]:
+    """Shows ``label`` and the elapsed seconds while the body runs (a compile takes about a minute).
+
+    On a terminal one line is redrawn in place; elsewhere (CI logs) a line is
+    printed every 10 s. Nothing shows when the body is done within ``every_s``.
+    """
+    done = threading.Event()
+    started = time.perf_counter()
+    tty = sys.stdout.isatty()
+
+    def tick() -> None:
+        spinner, shown, last_line = "|/-\\", False, 0.0
+        while not done.wait(every_s):
+            elapsed = time.perf_counter() - started
+            if tty:
+                sys.stdout.write(f"\r  {spinner[int(elapsed / every_s) % 4]} {label} {elapsed:4.0f} s")
+                sys.stdout.flush()
+                shown = True
+            elif elapsed - last_line >= 10:
+                _say(f"  ... {label} {elapsed:.0f} s")
+                last_line = elapsed
+        if shown:
+            sys.stdout.write("\r" + " " * (len(label) + 14) + "\r")
+            sys.stdout.flush()
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+class _BuildWatcher(logging.Handler):
+    """Notes whether the loader's INFO line for this load said it compiled or found the cache."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.compiled = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.compiled = self.compiled or record.getMessage().startswith("JIT compiled")
+
+
+def _load_with_progress(load_module, head_dim: int):
+    """Loads the variant behind a progress line; returns ``(module, seconds, "built" or "cache hit")``."""
+    logger = logging.getLogger("flash_compress")
+    watcher = _BuildWatcher()
+    level = logger.level
+    logger.addHandler(watcher)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)  # the watcher needs the loader's INFO line
+    started = time.perf_counter()
+    try:
+        with _progress("loading kernels (compiling on a cache miss)"):
+            module = load_module(head_dim)
+    finally:
+        logger.removeHandler(watcher)
+        logger.setLevel(level)
+    return module, time.perf_counter() - started, "built" if watcher.compiled else "cache hit"
 
 
 @dataclass
@@ -154,9 +223,8 @@ def run_demo(*, batch: int = 8, prefill_len: int = 4096, decode_steps: int = 300
         arch = cuda_arch_list()
         _say(f"  variant: head_dim={HEAD_DIM} use_pdl={resolve_use_pdl(None, arch)} arch={' '.join(arch)}"
              " (first use compiles, about a minute; later runs load from the cache)")
-        started = time.perf_counter()
-        module = load_module(HEAD_DIM)
-        _say(f"  kernels ready in {time.perf_counter() - started:.2f} s")
+        module, seconds, how = _load_with_progress(load_module, HEAD_DIM)
+        _say(f"  kernels: {how}, ready in {seconds:.2f} s")
     else:
         skipped.append("kernel build and compiled planner (no CUDA toolkit found)")
 
@@ -194,4 +262,5 @@ def run_demo(*, batch: int = 8, prefill_len: int = 4096, decode_steps: int = 300
              f"{tokens / seconds / 1e6:.0f} M tokens/s, {moved / seconds / 1e9:.0f} GB/s (CUDA events, median of 20)")
     for line in skipped:
         _say(f"  skipped: {line}")
+    _say(f"demo: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1

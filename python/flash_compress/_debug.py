@@ -1,0 +1,139 @@
+"""Debug mode (``FLASH_COMPRESS_DEBUG=1``): host-side checks of the values the kernels trust.
+
+The kernels check shapes, dtypes and devices but not the values inside device
+tensors: an index out of range or a malformed plan row is skipped (or worse)
+on the GPU, because raising would need a device-to-host sync. In debug mode
+the torch API copies those values to the host (a sync per call) and raises
+:class:`ValueError` naming the argument before anything is launched.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+__all__ = ["check_decode", "check_planner_flag", "check_prefill", "enabled"]
+
+CHUNK = 128
+PLAN_SENTINEL = 0xFFFFFFFF
+_VAR = "FLASH_COMPRESS_DEBUG"
+_OFF = ("", "0", "false", "no", "off")
+
+# os.environ.get costs about 1 us (it encodes the key on every call), more than
+# the whole tvm-ffi call; the mapping's own dict of encoded keys is read in
+# ~50 ns and is what os.environ (and pytest's monkeypatch) updates.
+_environ_data = getattr(os.environ, "_data", None)
+if _environ_data is not None:
+    _key = os.environ.encodekey(_VAR)
+    _off_values = frozenset(os.environ.encodevalue(v) for v in _OFF)
+
+    def enabled() -> bool:
+        """True when ``FLASH_COMPRESS_DEBUG`` is set to anything but ``""``/``0``/``false``/``no``/``off``."""
+        value = _environ_data.get(_key)
+        return value is not None and value.lower() not in _off_values
+
+else:  # not CPython's os.environ: take the portable, slower road
+
+    def enabled() -> bool:
+        """True when ``FLASH_COMPRESS_DEBUG`` is set to anything but ``""``/``0``/``false``/``no``/``off``."""
+        return os.environ.get(_VAR, "").lower() not in _OFF
+
+
+def _check_slots(indices: torch.Tensor, name: str, num_slots: int) -> None:
+    if not isinstance(indices, torch.Tensor) or indices.numel() == 0:
+        return  # the kernels' own checks name a wrong type; an empty batch has nothing to check
+    host = indices.detach().to("cpu", torch.int64)
+    bad = (host < 0) | (host >= num_slots)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"argument '{name}': expected every slot in [0, {num_slots}) (kv_score_buffer has {num_slots} slots), "
+            f"got {name}[{b}] = {int(host[b])}"
+        )
+
+
+def _check_slot_arguments(kv_score_buffer: torch.Tensor, indices: torch.Tensor,
+                          load_indices: Optional[torch.Tensor]) -> None:
+    num_slots = kv_score_buffer.shape[0]
+    _check_slots(indices, "indices", num_slots)
+    if load_indices is not None:
+        _check_slots(load_indices, "load_indices", num_slots)
+
+
+def check_decode(
+    kv_score_buffer: torch.Tensor,
+    indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    load_indices: Optional[torch.Tensor],
+) -> None:
+    """Slots in range and every ``seq_len >= 1`` (the new token's position is ``seq_len - 1``)."""
+    _check_slot_arguments(kv_score_buffer, indices, load_indices)
+    if isinstance(seq_lens, torch.Tensor) and seq_lens.numel():
+        host = seq_lens.detach().to("cpu", torch.int64)
+        if bool((host < 1).any()):
+            b = int((host < 1).nonzero()[0, 0])
+            raise ValueError(f"argument 'seq_lens': expected every seq_len >= 1, got seq_lens[{b}] = {int(host[b])}")
+
+
+def _plan_rows(plan: torch.Tensor) -> torch.Tensor:
+    """``[M, 16]`` uint8 -> ``[M, 4]`` int64 rows of uint32 fields (little-endian, as every CUDA GPU)."""
+    raw = plan.detach().to("cpu").contiguous()
+    return raw.view(torch.int32).to(torch.int64) & PLAN_SENTINEL
+
+
+def _check_plan(plan: torch.Tensor, name: str, num_tokens: int, batch: int, compress: bool) -> None:
+    if not isinstance(plan, torch.Tensor) or plan.dtype != torch.uint8 or plan.dim() != 2 or plan.shape[1] != 16:
+        return  # the kernels' own checks name a wrong type, dtype or shape
+    if plan.shape[0] == 0:
+        return
+    rows = _plan_rows(plan)
+    live = rows[rows[:, 0] != PLAN_SENTINEL]
+    ragged, b, position, window = live.unbind(1)
+    offset = position % CHUNK
+    problems = [
+        ((window < 1) | (window > CHUNK), f"window_len not in [1, {CHUNK}]"),
+        ((ragged >= num_tokens) | (ragged - window + 1 < 0), f"ragged rows outside kv_score_input's {num_tokens} rows"),
+        (b >= batch, f"batch_id outside the batch of {batch} (indices)"),
+        (offset - window + 1 < 0, "window_len reaches back past the chunk start"),
+        (offset != CHUNK - 1 if compress else offset == CHUNK - 1,
+         "a compress row must close a chunk (position % 128 == 127)" if compress
+         else "a write row must not close a chunk (position % 128 < 127)"),
+    ]
+    for bad, what in problems:
+        if bool(bad.any()):
+            row = live[int(bad.nonzero()[0, 0])].tolist()
+            raise ValueError(
+                f"argument '{name}': expected rows {{ragged_id, batch_id, position, window_len}} that fit the "
+                f"call, got {tuple(row)}: {what}"
+            )
+
+
+def check_prefill(
+    kv_score_buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    indices: torch.Tensor,
+    compress_plan: torch.Tensor,
+    write_plan: torch.Tensor,
+    load_indices: Optional[torch.Tensor],
+) -> None:
+    """Slots in range; every non-padding plan row inside the input and the batch, of its pass's kind."""
+    _check_slot_arguments(kv_score_buffer, indices, load_indices)
+    batch = indices.shape[0] if isinstance(indices, torch.Tensor) and indices.dim() == 1 else 0
+    num_tokens = kv_score_input.shape[0] if isinstance(kv_score_input, torch.Tensor) and kv_score_input.dim() else 0
+    _check_plan(compress_plan, "compress_plan", num_tokens, batch, compress=True)
+    _check_plan(write_plan, "write_plan", num_tokens, batch, compress=False)
+
+
+def check_planner_flag(counts: Optional[torch.Tensor]) -> None:
+    """A GPU-made plan: the planner's error flag (``counts[2]``) must be 0."""
+    if counts is None:
+        return
+    flag = int(counts[2])
+    if flag != 0:
+        raise ValueError(
+            f"argument 'plan': expected a valid GPU-made plan (error flag 0), got error flag {flag}: the lengths "
+            "broke 0 < extend_lens[b] <= seq_lens[b], the length limit or sum(extend_lens) == num_tokens "
+            "(the flag's bits say which), so every row is padding"
+        )

@@ -1,0 +1,141 @@
+"""Which implementation runs a call: a compiled variant for CUDA tensors, the reference for CPU ones.
+
+Both the torch API (:mod:`flash_compress.api`) and the custom ops
+(:mod:`flash_compress.ops`) end here. The fast path of a CUDA call is one dict
+lookup (the loaded variant) and one tvm-ffi call; everything the C++ side
+checks (dtypes, shapes, devices, contiguity, alignment) is left to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from . import _debug
+from .c128_online import load_module
+from .jit import JitDisabledError
+
+__all__ = ["decode_into", "planner", "kernels", "new_output", "prefill_into", "relocate_states"]
+
+logger = logging.getLogger("flash_compress")
+
+DEFAULT_HEAD_DIM = 512  # DeepSeek-V4; the variant the planner comes from when none is loaded yet
+
+#: Loaded variants by ``(head_dim, use_pdl)`` as the caller passed them (``None`` kept as is).
+_modules: dict[tuple[int, Optional[bool]], Any] = {}
+
+
+def kernels(head_dim: int, use_pdl: Optional[bool]) -> Any:
+    """The compiled variant for ``head_dim`` (``ape.shape[-1]``): a dict lookup once loaded."""
+    module = _modules.get((head_dim, use_pdl))
+    if module is None:
+        module = _load(head_dim, use_pdl)
+    return module
+
+
+def _load(head_dim: int, use_pdl: Optional[bool]) -> Any:
+    if not (64 <= head_dim <= 1024 and head_dim % 64 == 0):
+        raise ValueError(
+            f"argument 'ape': expected shape [128, D] with D a multiple of 64 in [64, 1024], got D = {head_dim}"
+        )
+    module = load_module(head_dim, use_pdl)
+    _modules[(head_dim, use_pdl)] = module
+    return module
+
+
+def planner(*, load: bool = True) -> Any:
+    """An object with ``plan_online_prefill``: a compiled variant, or the reference for host lengths.
+
+    Every variant carries the same planner, so any loaded one does. With none
+    loaded yet, ``load`` loads the default variant (compiled on a cache miss);
+    without ``load`` (plans for the CPU reference), or where nothing can be
+    loaded (no CUDA toolkit and no cached build, or ``FLASH_COMPRESS_DISABLE_JIT=1``
+    and a miss), the reference planner, which writes the same bytes, plans instead.
+    """
+    for module in _modules.values():
+        return module
+    if load:
+        try:
+            return kernels(DEFAULT_HEAD_DIM, None)
+        except JitDisabledError as exc:
+            logger.info("planning with the reference planner: no compiled variant can be loaded (%s)", exc)
+    from . import reference
+
+    return reference
+
+
+def _not_tensor(**arguments: Any) -> Exception:
+    """The error for a call whose arguments are not even tensors (the fast path's attribute access failed)."""
+    for name, value in arguments.items():
+        if not isinstance(value, torch.Tensor):
+            return TypeError(f"argument '{name}': expected a torch.Tensor, got {type(value).__name__}")
+        if value.dim() == 0:
+            return ValueError(f"argument '{name}': expected a tensor with dimensions, got a 0-D tensor")
+    return TypeError("expected torch.Tensor arguments")
+
+
+def new_output(kv_score_input: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+    """An uninitialised ``[rows of kv_score_input, D]`` output like the input (``D = ape.shape[-1]``)."""
+    try:
+        return kv_score_input.new_empty((kv_score_input.shape[0], ape.shape[-1]))
+    except (AttributeError, IndexError):
+        raise _not_tensor(kv_score_input=kv_score_input, ape=ape) from None
+
+
+def relocate_states(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_indices: torch.Tensor) -> None:
+    """``buffer[indices] = buffer[load_indices]``: the decode kernel reads and writes one slot, so a move
+    copies the prior states first (gathered in full before any is written, so a permutation is safe)."""
+    kv_score_buffer[indices] = kv_score_buffer[load_indices]
+
+
+def _compiled(kv_score_buffer: torch.Tensor, ape: torch.Tensor, use_pdl: Optional[bool]) -> Any:
+    """The compiled variant for a call on CUDA tensors, ``None`` for CPU tensors (the reference runs them)."""
+    try:
+        on_cuda = kv_score_buffer.is_cuda
+        head_dim = ape.shape[-1]
+    except (AttributeError, IndexError):
+        raise _not_tensor(kv_score_buffer=kv_score_buffer, ape=ape) from None
+    return kernels(head_dim, use_pdl) if on_cuda else None
+
+
+def decode_into(
+    kv_score_buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    out: torch.Tensor,
+    ape: torch.Tensor,
+    indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    load_indices: Optional[torch.Tensor] = None,
+    use_pdl: Optional[bool] = None,
+) -> None:
+    """One decode step into ``out``, by the compiled kernel (CUDA) or the reference (CPU)."""
+    module = _compiled(kv_score_buffer, ape, use_pdl)
+    if _debug.enabled():
+        _debug.check_decode(kv_score_buffer, indices, seq_lens, load_indices)
+    if load_indices is not None:
+        relocate_states(kv_score_buffer, indices, load_indices)
+    if module is None:
+        from . import reference as module
+    module.run_decode(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, None)
+
+
+def prefill_into(
+    kv_score_buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    out: torch.Tensor,
+    ape: torch.Tensor,
+    indices: torch.Tensor,
+    compress_plan: torch.Tensor,
+    write_plan: torch.Tensor,
+    load_indices: Optional[torch.Tensor] = None,
+    use_pdl: Optional[bool] = None,
+) -> None:
+    """A planned prefill into ``out``, by the compiled kernels (CUDA) or the reference (CPU)."""
+    module = _compiled(kv_score_buffer, ape, use_pdl)
+    if _debug.enabled():
+        _debug.check_prefill(kv_score_buffer, kv_score_input, indices, compress_plan, write_plan, load_indices)
+    if module is None:
+        from . import reference as module
+    module.run_prefill(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan, load_indices)

@@ -1,0 +1,240 @@
+"""The torch API: plan a prefill, run decode and prefill steps on a pool of per-slot states.
+
+Typical engine use (``docs/USAGE.md`` has the whole story)::
+
+    import flash_compress as fc
+
+    state = torch.zeros(num_slots, 1, 3 * head_dim, device="cuda")   # the state pool
+    plan = fc.plan_prefill(seq_lens, extend_lens, device="cuda")     # once per prefill step
+    rows = fc.prefill(state, kv_score_input, ape, indices, plan)      # [N, head_dim]
+    rows = fc.decode(state, kv_score_input, ape, indices, seq_lens)  # [B, head_dim]
+
+CUDA tensors run the compiled kernels (the variant is picked by
+``ape.shape[-1]`` and loaded on first use); CPU tensors run
+:mod:`flash_compress.reference`, the float64 reference, for tests and small
+jobs. The C++ side checks dtypes, shapes, devices and contiguity and raises
+``ValueError`` / ``TypeError`` naming the argument, so the fast path here adds
+only the output allocation. Values inside device tensors (slots in range,
+``seq_len >= 1``, plan rows) are not checked: set ``FLASH_COMPRESS_DEBUG=1``
+to check them on the host (a sync per call). Under ``torch.compile`` the calls
+go through the custom ops of :mod:`flash_compress.ops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from . import _debug, _dispatch
+from . import ops as _ops  # registers torch.ops.flash_compress.{decode,prefill}
+
+__all__ = ["PrefillPlan", "decode", "plan_prefill", "prefill"]
+
+PLAN_ROW_BYTES = 16
+_LENGTH_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """The two plans of one prefill step, on the device the kernels run on.
+
+    Attributes:
+        compress_plan: ``[num_compress, 16]`` uint8, one row per chunk a segment closes.
+        write_plan: ``[num_write, 16]`` uint8, one row per request's trailing partial chunk.
+        num_compress: rows of ``compress_plan`` (``num_tokens`` in CUDA-graph form).
+        num_write: rows of ``write_plan`` (``num_tokens`` in CUDA-graph form).
+        use_cuda_graph: both plans have ``num_tokens`` rows, real rows first, then all-0xFF padding
+            the kernels skip, so their shapes depend only on the token count.
+        counts: for a plan made on the GPU, the planner's ``[3]`` int32 device tensor
+            ``(num_compress, num_write, error_flag)``; ``None`` for a host-made plan.
+    """
+
+    compress_plan: torch.Tensor
+    write_plan: torch.Tensor
+    num_compress: int
+    num_write: int
+    use_cuda_graph: bool
+    counts: Optional[torch.Tensor] = None
+
+
+def _check_lengths(lengths: torch.Tensor, name: str) -> None:
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(lengths).__name__}")
+    if lengths.dtype not in _LENGTH_DTYPES:
+        raise TypeError(f"argument '{name}': expected dtype int32 or int64, got {lengths.dtype}")
+    if lengths.dim() != 1:
+        raise ValueError(f"argument '{name}': expected a 1-D tensor [B], got shape {list(lengths.shape)}")
+
+
+def plan_prefill(
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    *,
+    device: Union[torch.device, str],
+    use_cuda_graph: bool = False,
+    num_tokens: Optional[int] = None,
+) -> PrefillPlan:
+    """Plans one chunked-prefill step for :func:`prefill`.
+
+    Args:
+        seq_lens: ``[B]`` int32 or int64, each request's length INCLUDING its new tokens.
+        extend_lens: ``[B]`` int32 or int64, new tokens per request, ``1 <= extend_len <= seq_len``.
+        device: where the plans go (the kernels' device; ``"cpu"`` for the reference).
+        use_cuda_graph: pad both plans to ``num_tokens`` rows, so that a captured
+            :func:`prefill` replays with any plan of the same token count.
+        num_tokens: ``sum(extend_lens)``, the rows of ``kv_score_input``. Needed only
+            to plan on the GPU without a sync; checked when given.
+
+    Lengths on the CPU (or anywhere, when ``device`` is the CPU) are planned on
+    the host, in pinned memory when ``device`` is a CUDA device, and the plans
+    are copied with ``non_blocking=True`` (by the compiled planner; for a CPU
+    ``device`` by a variant already loaded, else by the reference planner); lengths on a CUDA device (and a CUDA
+    ``device``) are planned there by the GPU planner, with no host round trip, and
+    the plan is always in CUDA-graph form with its counts on the device.
+
+    Raises:
+        TypeError / ValueError: naming the argument, for wrong tensors or lengths
+            (``not 0 < extend_len <= seq_len``, ``num_tokens != sum(extend_lens)``).
+    """
+    _check_lengths(seq_lens, "seq_lens")
+    _check_lengths(extend_lens, "extend_lens")
+    if seq_lens.shape != extend_lens.shape:
+        raise ValueError(
+            f"argument 'seq_lens': expected shape {list(extend_lens.shape)} like extend_lens, "
+            f"got {list(seq_lens.shape)}"
+        )
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and extend_lens.is_cuda and seq_lens.is_cuda:
+        return _plan_on_gpu(seq_lens, extend_lens, device, num_tokens)
+    return _plan_on_host(seq_lens, extend_lens, device, bool(use_cuda_graph), num_tokens)
+
+
+def _plan_on_host(
+    seq_lens: torch.Tensor, extend_lens: torch.Tensor, device: torch.device, use_cuda_graph: bool,
+    num_tokens: Optional[int],
+) -> PrefillPlan:
+    # The compiled planner reads int64 host tensors.
+    extend = extend_lens.to("cpu", torch.int64).contiguous()
+    seq = seq_lens.to("cpu", torch.int64).contiguous()
+    total = int(extend.sum())
+    if num_tokens is not None and num_tokens != total:
+        raise ValueError(f"argument 'num_tokens': expected sum(extend_lens) = {total}, got {num_tokens}")
+    pinned = device.type == "cuda"
+    compress = torch.empty((total, PLAN_ROW_BYTES), dtype=torch.uint8, pin_memory=pinned)
+    write = torch.empty((total, PLAN_ROW_BYTES), dtype=torch.uint8, pin_memory=pinned)
+    result = _dispatch.planner(load=pinned).plan_online_prefill(extend, seq, compress, write, use_cuda_graph)
+    num_compress, num_write = (int(n) for n in result)
+    compress, write = compress[:num_compress], write[:num_write]
+    if device.type != "cpu":
+        compress = compress.to(device, non_blocking=True)
+        write = write.to(device, non_blocking=True)
+    return PrefillPlan(compress, write, num_compress, num_write, use_cuda_graph)
+
+
+def _plan_on_gpu(
+    seq_lens: torch.Tensor, extend_lens: torch.Tensor, device: torch.device, num_tokens: Optional[int]
+) -> PrefillPlan:
+    # The GPU planner reads int32 or int64 lengths (they may differ) on the plans' device.
+    extend = extend_lens.to(device, non_blocking=True).contiguous()
+    seq = seq_lens.to(device, non_blocking=True).contiguous()
+    total = int(extend.sum()) if num_tokens is None else num_tokens  # the sum syncs; pass num_tokens to avoid it
+    compress = torch.empty((total, PLAN_ROW_BYTES), dtype=torch.uint8, device=device)
+    write = torch.empty((total, PLAN_ROW_BYTES), dtype=torch.uint8, device=device)
+    counts = torch.empty(3, dtype=torch.int32, device=device)
+    try:
+        _dispatch.planner().plan_online_prefill(extend, seq, compress, write, True, counts)
+    except TypeError as exc:
+        if "number of arguments" not in str(exc) and "positional argument" not in str(exc):
+            raise  # a real argument error of the GPU planner, naming the argument
+        raise NotImplementedError(
+            "plan_prefill: this build's planner takes host lengths only (the GPU planner is not in it yet); "
+            "pass seq_lens and extend_lens on the CPU"
+        ) from exc
+    return PrefillPlan(compress, write, total, total, True, counts)
+
+
+def decode(
+    kv_score_buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    ape: torch.Tensor,
+    indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+    load_indices: Optional[torch.Tensor] = None,
+    use_pdl: Optional[bool] = None,
+) -> torch.Tensor:
+    """One decode step: folds one new token per request into its slot's state.
+
+    Args:
+        kv_score_buffer: ``[slots, 1, 3*D]`` float32 state pool, updated in place.
+        kv_score_input: ``[B, 2*D]`` float32, request ``b``'s token as ``| kv | score |``.
+        ape: ``[128, D]`` float32 score bias by position in the chunk; ``D`` picks the variant.
+        indices: ``[B]`` int32, the slot request ``b`` writes (and, by default, reads).
+        seq_lens: ``[B]`` int32, lengths INCLUDING the new token (>= 1).
+        out: ``[B, D]`` float32 to write into; allocated (uninitialised) when None.
+        load_indices: ``[B]`` int32 slots to read the prior states from (a request moving to
+            ``indices[b]``); costs one gather and one scatter of those states before the kernel.
+        use_pdl: the variant's programmatic dependent launch (None: on for sm_90+).
+
+    Returns:
+        ``out``. Row ``b`` is written only when the token closes a chunk
+        (``seq_lens[b] % 128 == 0``); other rows are left as they were.
+    """
+    if out is None:
+        out = _dispatch.new_output(kv_score_input, ape)
+    if torch.compiler.is_compiling():
+        torch.ops.flash_compress.decode(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, load_indices,
+                                        use_pdl)
+    else:
+        _dispatch.decode_into(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, load_indices, use_pdl)
+    return out
+
+
+def prefill(
+    kv_score_buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    ape: torch.Tensor,
+    indices: torch.Tensor,
+    plan: PrefillPlan,
+    *,
+    out: Optional[torch.Tensor] = None,
+    load_indices: Optional[torch.Tensor] = None,
+    use_pdl: Optional[bool] = None,
+) -> torch.Tensor:
+    """One chunked-prefill step: folds every request's new tokens into its slot's state.
+
+    Args:
+        kv_score_buffer: ``[slots, 1, 3*D]`` float32 state pool, updated in place.
+        kv_score_input: ``[N, 2*D]`` float32 ragged new tokens, request after request.
+        ape: ``[128, D]`` float32; ``D`` picks the variant.
+        indices: ``[B]`` int32, the slot request ``b``'s state is written to.
+        plan: from :func:`plan_prefill` for this step's lengths.
+        out: ``[N, D]`` float32 to write into; allocated (uninitialised) when None.
+        load_indices: ``[B]`` int32 slots to read the prior states from (default ``indices``),
+            for a request that moves slots; read-before-write is race-free.
+        use_pdl: the variant's programmatic dependent launch (None: on for sm_90+).
+
+    Returns:
+        ``out``. Row ``i`` is written only when token ``i`` closes a chunk (its
+        position is ``127 mod 128``); the plan's compress rows name them.
+    """
+    try:
+        compress_plan, write_plan = plan.compress_plan, plan.write_plan
+    except AttributeError:
+        raise TypeError(f"argument 'plan': expected a PrefillPlan, got {type(plan).__name__}") from None
+    if out is None:
+        out = _dispatch.new_output(kv_score_input, ape)
+    if torch.compiler.is_compiling():
+        torch.ops.flash_compress.prefill(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan,
+                                         load_indices, use_pdl)
+        return out
+    if plan.counts is not None and _debug.enabled():
+        _debug.check_planner_flag(plan.counts)
+    _dispatch.prefill_into(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan,
+                           load_indices, use_pdl)
+    return out

@@ -1,0 +1,36 @@
+"""``torch.library`` custom ops, so that ``torch.compile`` and CUDA graphs see the kernels as one op each.
+
+- ``torch.ops.flash_compress.decode(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens,
+  load_indices=None, use_pdl=None) -> ()``
+- ``torch.ops.flash_compress.prefill(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan,
+  write_plan, load_indices=None, use_pdl=None) -> ()``
+
+Both mutate ``kv_score_buffer`` and ``out`` in place and return nothing (an op
+may not return an alias of its input), so their fake kernels have nothing to
+describe. Their bodies are :mod:`flash_compress._dispatch`'s, whose signatures
+are the schemas. :func:`flash_compress.decode` / :func:`flash_compress.prefill`
+call the ops when traced by ``torch.compile`` and the kernels directly in eager
+mode, where a custom op's dispatch would cost several microseconds per call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _dispatch
+
+__all__ = ["decode", "prefill"]
+
+_MUTATED = ("kv_score_buffer", "out")
+
+decode = torch.library.custom_op("flash_compress::decode", _dispatch.decode_into, mutates_args=_MUTATED)
+prefill = torch.library.custom_op("flash_compress::prefill", _dispatch.prefill_into, mutates_args=_MUTATED)
+
+
+def _in_place_only(*args: object, **kwargs: object) -> None:
+    """The fake kernel of both ops: they create no tensor, so there is no output to describe."""
+    return None
+
+
+decode.register_fake(_in_place_only)
+prefill.register_fake(_in_place_only)

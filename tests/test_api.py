@@ -1,0 +1,433 @@
+"""CPU tests of the torch API and the custom ops (CPU tensors run on flash_compress.reference).
+
+Covered here: planning on the host (compiled planner where nvcc is, reference
+otherwise), int32/int64 lengths, CUDA-graph padding, output allocation, the
+schedule harness through the API and the ops, load_indices in decode, debug
+mode, errors that name the argument, the fake kernels (FakeTensorMode,
+``torch.library.opcheck``, ``torch.compile(fullgraph=True)``), the lazy
+package exports, and the worked example of docs/USAGE.md.
+"""
+
+from __future__ import annotations
+
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flash_compress as fc
+from api_adapters import ApiImpl, OpsImpl
+from flash_compress import _debug, _dispatch
+from flash_compress import reference as ref
+from flash_compress.jit import JitDisabledError, toolchain
+from schedule import CHUNK, ScheduleHarness, run_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+D = 64
+
+
+@pytest.fixture
+def compiled_planner(nvcc, monkeypatch):
+    """The compiled head_dim=128 variant, loaded into the API's variant table (so it plans)."""
+    # The JIT memoises tool versions per process but writes them only into the cache
+    # it first ran them for; test_jit_nvcc's fresh-process tests need them written
+    # into their own caches, so this load keeps its memo to itself.
+    monkeypatch.setattr(toolchain, "_memory", {})
+    module = fc.load_module(head_dim=128)
+    monkeypatch.setattr(_dispatch, "_modules", {(128, None): module})
+    return module
+
+
+@pytest.fixture
+def no_variants(monkeypatch):
+    """An empty variant table, so the planner choice starts from nothing."""
+    monkeypatch.setattr(_dispatch, "_modules", {})
+
+
+def state_pool(slots: int = 6, d: int = D, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(slots, 1, 3 * d, generator=gen), torch.randn(CHUNK, d, generator=gen), gen)
+
+
+# ---------------------------------------------------------------------------
+# plan_prefill on the host.
+# ---------------------------------------------------------------------------
+
+PLAN_CASES = [([300, 57], [300, 57]), ([40, 200], [340, 257]), ([1], [128]), ([128, 1, 129], [256, 1, 1000])]
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("dtypes", [(torch.int64, torch.int64), (torch.int32, torch.int32), (torch.int32, torch.int64)])
+@pytest.mark.parametrize("case", range(len(PLAN_CASES)))
+def test_plan_prefill_on_host_matches_reference_planner(compiled_planner, case, dtypes, graph):
+    extend, seq = PLAN_CASES[case]
+    plan = fc.plan_prefill(torch.tensor(seq, dtype=dtypes[0]), torch.tensor(extend, dtype=dtypes[1]), device="cpu",
+                           use_cuda_graph=graph)
+    m = sum(extend)
+    want_c = torch.zeros(m, 16, dtype=torch.uint8)
+    want_w = torch.zeros(m, 16, dtype=torch.uint8)
+    nc, nw = ref.plan_online_prefill(torch.tensor(extend), torch.tensor(seq), want_c, want_w, graph)
+    assert isinstance(plan, fc.PrefillPlan) and plan.use_cuda_graph is graph and plan.counts is None
+    assert (plan.num_compress, plan.num_write) == (nc, nw)
+    assert plan.compress_plan.device.type == "cpu" and plan.compress_plan.dtype == torch.uint8
+    assert torch.equal(plan.compress_plan, want_c[:nc]) and torch.equal(plan.write_plan, want_w[:nw])
+
+
+def test_plan_prefill_without_a_loaded_variant_plans_cpu_plans_with_the_reference(no_variants, monkeypatch):
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("planning for the CPU must not compile a variant")
+
+    monkeypatch.setattr(_dispatch, "load_module", must_not_load)
+    plan = fc.plan_prefill(torch.tensor([130]), torch.tensor([130]), device="cpu")
+    assert (plan.num_compress, plan.num_write) == (1, 1)
+    assert ref.decode_plan(plan.compress_plan).tolist() == [[127, 0, 127, 128]]
+
+
+def test_planner_falls_back_to_the_reference_when_nothing_loads(no_variants, monkeypatch):
+    def disabled(*args, **kwargs):
+        raise JitDisabledError("c128_online_hd512", "no CUDA toolkit", Path("/nowhere"), ("9.0",))
+
+    monkeypatch.setattr(_dispatch, "load_module", disabled)
+    assert _dispatch.planner() is ref
+
+
+def test_plan_prefill_empty_batch():
+    plan = fc.plan_prefill(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), device="cpu")
+    assert plan.compress_plan.shape == (0, 16) and plan.write_plan.shape == (0, 16)
+
+
+@pytest.mark.parametrize(
+    "seq, extend, kwargs, error, words",
+    [
+        ([5], [6], {}, ValueError, "extend_lens"),  # extend > seq
+        ([5], [0], {}, ValueError, "extend_lens"),
+        ([5, 6], [5], {}, ValueError, "seq_lens"),  # shapes differ
+        ([5], [5], {"num_tokens": 4}, ValueError, "num_tokens"),
+    ],
+)
+def test_plan_prefill_rejects_bad_lengths_naming_the_argument(seq, extend, kwargs, error, words):
+    with pytest.raises(error, match=words):
+        fc.plan_prefill(torch.tensor(seq), torch.tensor(extend), device="cpu", **kwargs)
+
+
+def test_plan_prefill_rejects_bad_tensors_naming_the_argument():
+    with pytest.raises(TypeError, match="'seq_lens'.*int32 or int64.*float32"):
+        fc.plan_prefill(torch.tensor([5.0]), torch.tensor([5]), device="cpu")
+    with pytest.raises(TypeError, match="'extend_lens'.*torch.Tensor.*list"):
+        fc.plan_prefill(torch.tensor([5]), [5], device="cpu")
+    with pytest.raises(ValueError, match="'extend_lens'.*1-D"):
+        fc.plan_prefill(torch.tensor([5]), torch.tensor([[5]]), device="cpu")
+
+
+def test_prefill_plan_is_frozen():
+    plan = fc.plan_prefill(torch.tensor([5]), torch.tensor([5]), device="cpu")
+    with pytest.raises(AttributeError):
+        plan.num_write = 3  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------
+# decode / prefill on CPU tensors (the reference behind the API).
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", [ApiImpl(), OpsImpl()], ids=["api", "ops"])
+def test_schedule_through_the_api_and_the_ops(impl):
+    stats = run_schedule(impl, head_dim=D, steps=25, seed=3, num_slots=8, max_requests=4, max_step_tokens=400)
+    assert stats.rows_checked > 0 and stats.states_checked > 0 and stats.relocations > 0
+
+
+def test_decode_allocates_out_of_the_right_shape_and_returns_the_given_one():
+    buf, ape, gen = state_pool()
+    inp = torch.randn(3, 2 * D, generator=gen)
+    idx = torch.tensor([0, 2, 4], dtype=torch.int32)
+    seq = torch.tensor([128, 5, 256], dtype=torch.int32)
+    out = fc.decode(buf.clone(), inp, ape, idx, seq)
+    assert out.shape == (3, D) and out.dtype == torch.float32 and out.device == inp.device
+    given = torch.full((3, D), float("nan"))
+    assert fc.decode(buf.clone(), inp, ape, idx, seq, out=given) is given
+    assert torch.equal(given[[0, 2]], out[[0, 2]]) and torch.isnan(given[1]).all()
+
+
+def test_prefill_allocates_out_and_matches_the_reference():
+    buf, ape, gen = state_pool()
+    plan = fc.plan_prefill(torch.tensor([300, 60]), torch.tensor([200, 60]), device="cpu")
+    inp = torch.randn(260, 2 * D, generator=gen)
+    idx = torch.tensor([1, 3], dtype=torch.int32)
+    got_buf, want_buf = buf.clone(), buf.clone()
+    out = fc.prefill(got_buf, inp, ape, idx, plan)
+    want = torch.full((260, D), float("nan"))
+    ref.run_prefill(want_buf, inp, want, ape, idx, plan.compress_plan, plan.write_plan, None)
+    rows = ref.decode_plan(plan.compress_plan)[:, 0].tolist()
+    assert out.shape == (260, D) and len(rows) == 2
+    assert torch.equal(out[rows], want[rows]) and torch.equal(got_buf, want_buf)
+
+
+def test_decode_with_load_indices_reads_the_old_slot_and_writes_the_new():
+    """Against a one-token prefill with the same load_indices (the reference's own relocation path)."""
+    buf, ape, gen = state_pool(slots=6)
+    inp = torch.randn(3, 2 * D, generator=gen)
+    seq = [77, 128, 1]  # mid-chunk, closing, first token
+    idx = torch.tensor([4, 5, 0], dtype=torch.int32)
+    load = torch.tensor([1, 2, 3], dtype=torch.int32)
+    got_buf, want_buf = buf.clone(), buf.clone()
+    got = fc.decode(got_buf, inp, ape, idx, torch.tensor(seq, dtype=torch.int32), load_indices=load,
+                    out=torch.full((3, D), float("nan")))
+    plan = fc.plan_prefill(torch.tensor(seq), torch.tensor([1, 1, 1]), device="cpu")
+    want = fc.prefill(want_buf, inp, ape, idx, plan, load_indices=load, out=torch.full((3, D), float("nan")))
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+    for slot in (4, 0):  # the written slots
+        torch.testing.assert_close(got_buf[slot], want_buf[slot], rtol=1e-6, atol=1e-6)
+    for slot in (1, 2, 3):  # sources: untouched
+        assert torch.equal(got_buf[slot], buf[slot])
+
+
+# ---------------------------------------------------------------------------
+# Debug mode.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("yes", True), ("0", False), ("", False), ("off", False),
+                                       (None, False)])
+def test_debug_flag_is_read_at_call_time(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv("FLASH_COMPRESS_DEBUG", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_COMPRESS_DEBUG", value)
+    assert _debug.enabled() is on
+
+
+def test_debug_checks_run_only_in_debug_mode(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_debug, "check_decode", lambda *args: calls.append(args))
+    buf, ape, gen = state_pool()
+    args = (buf, torch.randn(1, 2 * D, generator=gen), ape, torch.tensor([0], dtype=torch.int32),
+            torch.tensor([3], dtype=torch.int32))
+    monkeypatch.delenv("FLASH_COMPRESS_DEBUG", raising=False)
+    fc.decode(*args)
+    assert not calls
+    monkeypatch.setenv("FLASH_COMPRESS_DEBUG", "1")
+    fc.decode(*args)
+    assert len(calls) == 1
+
+
+@pytest.fixture
+def debug_mode(monkeypatch):
+    monkeypatch.setenv("FLASH_COMPRESS_DEBUG", "1")
+
+
+def test_debug_decode_rejects_values_naming_the_argument(debug_mode):
+    buf, ape, gen = state_pool(slots=4)
+    inp = torch.randn(2, 2 * D, generator=gen)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match=r"'indices'.*\[0, 4\).*indices\[1\] = 4"):
+        fc.decode(buf, inp, ape, i32(0, 4), i32(3, 3))
+    with pytest.raises(ValueError, match=r"'load_indices'.*load_indices\[0\] = -1"):
+        fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=i32(-1, 1))
+    with pytest.raises(ValueError, match=r"'seq_lens'.*>= 1.*seq_lens\[1\] = 0"):
+        fc.decode(buf, inp, ape, i32(0, 1), i32(3, 0))
+
+
+def _plan_of(rows_c, rows_w) -> fc.PrefillPlan:
+    return fc.PrefillPlan(ref.encode_plan(rows_c), ref.encode_plan(rows_w), len(rows_c), len(rows_w), False)
+
+
+@pytest.mark.parametrize(
+    "rows_c, rows_w, words",
+    [
+        ([(200, 0, 127, 128)], [], "compress_plan.*outside kv_score_input's 130 rows"),
+        ([(127, 1, 127, 128)], [], "compress_plan.*batch_id outside the batch of 1"),
+        ([(127, 0, 126, 127)], [], "compress_plan.*must close a chunk"),
+        ([(127, 0, 127, 0)], [], "compress_plan.*window_len not in"),
+        ([], [(129, 0, 255, 128)], "write_plan.*must not close a chunk"),
+        ([], [(129, 0, 130, 5)], "write_plan.*past the chunk start"),
+    ],
+)
+def test_debug_prefill_rejects_bad_plan_rows(debug_mode, rows_c, rows_w, words):
+    buf, ape, gen = state_pool()
+    inp = torch.randn(130, 2 * D, generator=gen)
+    before = buf.clone()
+    with pytest.raises(ValueError, match=words):
+        fc.prefill(buf, inp, ape, torch.tensor([0], dtype=torch.int32), _plan_of(rows_c, rows_w))
+    assert torch.equal(buf, before)
+
+
+def test_debug_prefill_skips_padding_rows_and_checks_slots(debug_mode):
+    buf, ape, gen = state_pool(slots=3)
+    inp = torch.randn(130, 2 * D, generator=gen)
+    plan = fc.plan_prefill(torch.tensor([130]), torch.tensor([130]), device="cpu", use_cuda_graph=True)
+    fc.prefill(buf, inp, ape, torch.tensor([2], dtype=torch.int32), plan)  # padding rows are fine
+    with pytest.raises(ValueError, match=r"'indices'.*indices\[0\] = 3"):
+        fc.prefill(buf, inp, ape, torch.tensor([3], dtype=torch.int32), plan)
+    with pytest.raises(ValueError, match=r"'load_indices'"):
+        fc.prefill(buf, inp, ape, torch.tensor([2], dtype=torch.int32), plan,
+                   load_indices=torch.tensor([9], dtype=torch.int32))
+
+
+def test_debug_prefill_checks_the_gpu_planner_error_flag(debug_mode):
+    buf, ape, gen = state_pool()
+    inp = torch.randn(4, 2 * D, generator=gen)
+    pad = torch.full((4, 16), 0xFF, dtype=torch.uint8)
+    flagged = fc.PrefillPlan(pad, pad.clone(), 4, 4, True, counts=torch.tensor([4, 4, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="'plan'.*error flag 1"):
+        fc.prefill(buf, inp, ape, torch.tensor([0], dtype=torch.int32), flagged)
+    clean = fc.PrefillPlan(pad, pad.clone(), 4, 4, True, counts=torch.tensor([4, 4, 0], dtype=torch.int32))
+    fc.prefill(buf, inp, ape, torch.tensor([0], dtype=torch.int32), clean)
+
+
+# ---------------------------------------------------------------------------
+# Errors name the argument.
+# ---------------------------------------------------------------------------
+
+
+def test_errors_name_the_argument():
+    buf, ape, gen = state_pool()
+    inp = torch.randn(1, 2 * D, generator=gen)
+    i32 = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(TypeError, match="'ape'.*torch.Tensor.*list"):
+        fc.decode(buf, inp, [[0.0]], i32, i32)
+    with pytest.raises(TypeError, match="'kv_score_buffer'.*torch.Tensor.*NoneType"):
+        fc.decode(None, inp, ape, i32, i32 + 1, out=torch.empty(1, D))
+    with pytest.raises(TypeError, match="'plan'.*PrefillPlan.*tuple"):
+        fc.prefill(buf, inp, ape, i32, (None, None))
+    with pytest.raises(ValueError, match="'ape'.*multiple of 64.*D = 100"):
+        _dispatch.kernels(100, None)
+
+
+# ---------------------------------------------------------------------------
+# Custom ops: schema, fake kernels, torch.compile.
+# ---------------------------------------------------------------------------
+
+
+def _decode_args(gen, batch=3):
+    buf = torch.randn(6, 1, 3 * D, generator=gen)
+    return (buf, torch.randn(batch, 2 * D, generator=gen), torch.full((batch, D), float("nan")),
+            torch.randn(CHUNK, D, generator=gen), torch.tensor([0, 2, 4], dtype=torch.int32)[:batch],
+            torch.tensor([128, 5, 1], dtype=torch.int32)[:batch])
+
+
+def _prefill_args(gen):
+    plan = fc.plan_prefill(torch.tensor([300, 60]), torch.tensor([200, 60]), device="cpu")
+    return (torch.randn(6, 1, 3 * D, generator=gen), torch.randn(260, 2 * D, generator=gen),
+            torch.full((260, D), float("nan")), torch.randn(CHUNK, D, generator=gen),
+            torch.tensor([1, 3], dtype=torch.int32), plan.compress_plan, plan.write_plan,
+            torch.tensor([5, 3], dtype=torch.int32))
+
+
+def test_op_schemas_declare_the_mutated_arguments():
+    for op in (torch.ops.flash_compress.decode.default, torch.ops.flash_compress.prefill.default):
+        mutated = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        assert mutated == ["kv_score_buffer", "out"], (op, mutated)
+        assert not op._schema.returns
+
+
+def test_opcheck_decode_and_prefill():
+    gen = torch.Generator().manual_seed(1)
+    torch.library.opcheck(torch.ops.flash_compress.decode.default, _decode_args(gen))
+    torch.library.opcheck(torch.ops.flash_compress.prefill.default, _prefill_args(gen))
+
+
+def test_fake_kernels_run_under_fake_tensor_mode():
+    gen = torch.Generator().manual_seed(2)
+    decode_args, prefill_args = _decode_args(gen), _prefill_args(gen)
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake_decode = [mode.from_tensor(t) for t in decode_args]
+        fake_prefill = [mode.from_tensor(t) for t in prefill_args]
+        assert torch.ops.flash_compress.decode(*fake_decode) is None
+        assert torch.ops.flash_compress.prefill(*fake_prefill) is None
+
+
+def test_torch_compile_fullgraph_calls_the_ops_and_matches_eager():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(buf, prefill_input, decode_input, ape, indices, plan, seq_lens):
+        rows = fc.prefill(buf, prefill_input, ape, indices, plan)
+        return rows, fc.decode(buf, decode_input, ape, indices, seq_lens)
+
+    gen = torch.Generator().manual_seed(4)
+    buf, ape = torch.randn(6, 1, 3 * D, generator=gen), torch.randn(CHUNK, D, generator=gen)
+    plan = fc.plan_prefill(torch.tensor([300, 60]), torch.tensor([200, 60]), device="cpu")
+    args = (torch.randn(260, 2 * D, generator=gen), torch.randn(2, 2 * D, generator=gen), ape,
+            torch.tensor([1, 3], dtype=torch.int32), plan, torch.tensor([301, 61], dtype=torch.int32))
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    got_buf, want_buf = buf.clone(), buf.clone()
+    got_rows, got_decode = compiled(got_buf, *args)
+    want_rows, want_decode = step(want_buf, *args)
+    targets = [str(node.target).removesuffix(".default") for node in graphs[0].graph.nodes
+               if node.op == "call_function"]
+    assert "flash_compress.prefill" in targets and "flash_compress.decode" in targets, targets
+    assert len(graphs) == 1
+    rows = ref.decode_plan(plan.compress_plan)[:, 0].tolist()
+    assert torch.equal(got_rows[rows], want_rows[rows]) and torch.equal(got_buf, want_buf)
+
+
+# ---------------------------------------------------------------------------
+# Package exports, the example.
+# ---------------------------------------------------------------------------
+
+
+def test_api_names_are_lazy_exports():
+    for name in ("decode", "prefill", "plan_prefill", "PrefillPlan", "ops", "api"):
+        assert name in fc.__all__, name
+    assert fc.decode is fc.api.decode and fc.PrefillPlan is fc.api.PrefillPlan
+    code = ("import sys; import flash_compress; "
+            "assert 'flash_compress.api' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules); "
+            "flash_compress.plan_prefill; assert 'flash_compress.api' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT / "python", timeout=120)
+
+
+def test_usage_example_runs_on_cpu(capsys):
+    namespace = runpy.run_path(str(ROOT / "scripts" / "usage_example.py"))
+    assert namespace["main"](["--device", "cpu", "--head-dim", "128"]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_prefill_step_checks_hold_on_a_harness_with_cuda_graph_plans():
+    h = ScheduleHarness(ApiImpl(), head_dim=D, seed=11, num_slots=6, max_requests=2)
+    a, b = h.start_request(), h.start_request()
+    h.prefill_step([(a, 200, None), (b, 1, None)], use_cuda_graph=True)
+    h.prefill_step([(a, 56, h.free_slots[0]), (b, 300, None)], use_cuda_graph=True, pass_load_indices=True)
+    h.check_live_states()
+    assert h.stats.cuda_graph_plans == 2
+
+
+def test_demo_reports_whether_the_load_built_or_hit_the_cache():
+    import logging
+
+    from flash_compress.demo import _load_with_progress
+
+    def compiling_loader(head_dim):
+        logging.getLogger("flash_compress").info("JIT compiled %s in %.1f s", f"hd{head_dim}", 1.0)
+        return "module"
+
+    def cached_loader(head_dim):
+        logging.getLogger("flash_compress").info("JIT cache hit: %s", f"hd{head_dim}")
+        return "module"
+
+    assert _load_with_progress(compiling_loader, 64)[::2] == ("module", "built")
+    assert _load_with_progress(cached_loader, 64)[::2] == ("module", "cache hit")
+
+
+def test_cli_help_lists_every_command(capsys):
+    from flash_compress.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("demo", "prebuild", "status", "clear"):
+        assert command in out, command
+
+
+def test_usage_md_worked_example_runs_on_cpu():
+    text = (ROOT / "docs" / "USAGE.md").read_text()
+    snippet = text[text.index("## 9."):].split("```python\n")[1].split("```")[0]
+    namespace: dict = {}
+    exec(compile(snippet.replace('"cuda"', '"cpu"'), "USAGE.md section 9", "exec"), namespace)
+    assert namespace["rows"].shape == (2, 512) and namespace["written"].tolist() == [127, 255]

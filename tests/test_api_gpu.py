@@ -1,0 +1,259 @@
+"""The torch API and the custom ops on a CUDA GPU (skipped with a reason where none is visible).
+
+Random schedules through ``flash_compress.decode`` / ``prefill`` and through
+``torch.ops.flash_compress.*`` against the float64 oracle (outputs poisoned
+with NaN, untouched slots checked bitwise, by ``tests/schedule.py``); host
+plans copied to the GPU; ``torch.compile(fullgraph=True)``; CUDA-graph capture
+and replay with changing inputs and plans against eager; debug mode; and the
+GPU planner of the raw module, where the build has it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_compress as fc
+import oracle
+from api_adapters import ApiImpl, OpsImpl
+from flash_compress import reference as ref
+from schedule import CHUNK, run_schedule
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def _rows_of(plan: fc.PrefillPlan) -> list[int]:
+    """The rows of ``out`` a plan writes (its compress rows' ragged ids, padding dropped)."""
+    return [int(r[0]) for r in ref.decode_plan(plan.compress_plan) if r[0] != ref.PLAN_SENTINEL]
+
+
+def _random_step(gen, seq, extend, d):
+    return (torch.tensor(seq), torch.tensor(extend), torch.randn(sum(extend), 2 * d, generator=gen).to(DEV))
+
+
+@pytest.mark.parametrize("use_pdl", [False, True], ids=["pdl0", "pdl1"])
+@pytest.mark.parametrize("impl_class", [ApiImpl, OpsImpl], ids=["api", "ops"])
+def test_schedule_through_the_api_and_the_ops(gpu, impl_class, use_pdl):
+    stats = run_schedule(impl_class(use_pdl=use_pdl), head_dim=256, device=DEV, steps=60, seed=21 + int(use_pdl),
+                         num_slots=16, max_requests=6)
+    assert stats.rows_checked > 0 and stats.states_checked > 0 and stats.relocations > 0
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_plan_prefill_from_cpu_int32_lengths_lands_on_the_gpu(gpu, graph):
+    seq, extend = [300, 57, 129, 1000], [300, 57, 2, 513]
+    plan = fc.plan_prefill(torch.tensor(seq, dtype=torch.int32), torch.tensor(extend, dtype=torch.int32),
+                           device=DEV, use_cuda_graph=graph)
+    m = sum(extend)
+    want_c, want_w = torch.zeros(m, 16, dtype=torch.uint8), torch.zeros(m, 16, dtype=torch.uint8)
+    nc, nw = ref.plan_online_prefill(torch.tensor(extend), torch.tensor(seq), want_c, want_w, graph)
+    assert plan.compress_plan.is_cuda and plan.write_plan.is_cuda and plan.counts is None
+    assert (plan.num_compress, plan.num_write) == (nc, nw)
+    assert torch.equal(plan.compress_plan.cpu(), want_c[:nc]) and torch.equal(plan.write_plan.cpu(), want_w[:nw])
+
+
+def test_api_prefill_and_decode_against_the_reference_with_poisoned_outputs(gpu):
+    d = 512
+    gen = torch.Generator().manual_seed(5)
+    state = torch.randn(8, 1, 3 * d, generator=gen).to(DEV)
+    ape = torch.randn(CHUNK, d, generator=gen).to(DEV)
+    want_state = state.clone()
+    idx = torch.tensor([6, 1, 3], dtype=torch.int32, device=DEV)
+    load = torch.tensor([2, 1, 0], dtype=torch.int32, device=DEV)
+    seq, extend, inp = _random_step(gen, [700, 128, 300], [600, 1, 200], d)
+    plan = fc.plan_prefill(seq, extend, device=DEV)
+    out = torch.full((inp.shape[0], d), float("nan"), device=DEV)
+    assert fc.prefill(state, inp, ape, idx, plan, out=out, load_indices=load) is out
+    want = torch.full_like(out, float("nan"))
+    ref.run_prefill(want_state, inp, want, ape, idx, plan.compress_plan, plan.write_plan, load)
+    rows = _rows_of(plan)
+    written = torch.zeros(out.shape[0], dtype=torch.bool)
+    written[rows] = True
+    oracle.assert_rows_close(out[rows], want[rows], "prefill rows")
+    assert torch.isnan(out[~written.to(DEV)]).all(), "rows no chunk closes must stay untouched"
+    for slot in range(8):
+        if slot in (6, 3):  # request 1 ends at a chunk boundary: no write row, slot 1 stays as it was
+            oracle.assert_rows_close(state[slot], want_state[slot], f"slot {slot}")
+        else:
+            assert torch.equal(state[slot], want_state[slot]), f"slot {slot} must stay untouched"
+
+    # Decode with a move: requests 0 and 2 go to free slots 4 and 5 (one of them closes a chunk).
+    dec = torch.randn(3, 2 * d, generator=gen).to(DEV)
+    seq_dec = torch.tensor([701, 129, 301], dtype=torch.int32, device=DEV)
+    new_idx = torch.tensor([4, 1, 5], dtype=torch.int32, device=DEV)
+    got = fc.decode(state, dec, ape, new_idx, seq_dec, load_indices=idx)
+    assert got.shape == (3, d)
+    want_state[[4, 1, 5]] = want_state[[6, 1, 3]]
+    want_out = torch.full((3, d), float("nan"), device=DEV)
+    ref.run_decode(want_state, dec, want_out, ape, new_idx, seq_dec)
+    oracle.assert_rows_close(state[[4, 1, 5]].reshape(3, -1), want_state[[4, 1, 5]].reshape(3, -1), "decode states")
+
+
+def _compile_step(d):
+    def step(state, prefill_input, decode_input, ape, indices, plan, seq_lens):
+        rows = fc.prefill(state, prefill_input, ape, indices, plan)
+        return rows, fc.decode(state, decode_input, ape, indices, seq_lens)
+
+    gen = torch.Generator().manual_seed(8)
+    state = torch.randn(6, 1, 3 * d, generator=gen).to(DEV)
+    seq, extend, inp = _random_step(gen, [300, 60], [200, 60], d)
+    plan = fc.plan_prefill(seq, extend, device=DEV)
+    args = (inp, torch.randn(2, 2 * d, generator=gen).to(DEV), torch.randn(CHUNK, d, generator=gen).to(DEV),
+            torch.tensor([1, 3], dtype=torch.int32, device=DEV), plan,
+            torch.tensor([301, 61], dtype=torch.int32, device=DEV))
+    return step, state, args, plan
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_matches_eager(gpu, backend):
+    step, state, args, plan = _compile_step(256)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    got_state, want_state = state.clone(), state.clone()
+    got_rows, got_decode = compiled(got_state, *args)
+    want_rows, want_decode = step(want_state, *args)
+    torch.cuda.synchronize()
+    rows = _rows_of(plan)
+    assert rows and torch.equal(got_rows[rows], want_rows[rows])
+    assert torch.equal(got_state, want_state)
+
+
+@pytest.mark.parametrize("through_ops", [False, True], ids=["api", "ops"])
+def test_cuda_graph_replay_with_new_inputs_and_plans_equals_eager(gpu, through_ops):
+    """Capture prefill (CUDA-graph plans) + decode once; replay with new tokens, lengths and plans."""
+    d, slots = 256, 8
+    gen = torch.Generator().manual_seed(9)
+    ape = torch.randn(CHUNK, d, generator=gen).to(DEV)
+    indices = torch.tensor([2, 5], dtype=torch.int32, device=DEV)
+    m = 400  # tokens per prefill step, the captured shape
+    static_state = torch.randn(slots, 1, 3 * d, generator=gen).to(DEV)
+    static_inp = torch.empty(m, 2 * d, device=DEV)
+    static_dec = torch.empty(2, 2 * d, device=DEV)
+    static_seq = torch.empty(2, dtype=torch.int32, device=DEV)
+    static_c = torch.empty(m, 16, dtype=torch.uint8, device=DEV)
+    static_w = torch.empty(m, 16, dtype=torch.uint8, device=DEV)
+    static_out = torch.empty(m, d, device=DEV)
+    static_dec_out = torch.empty(2, d, device=DEV)
+
+    def run(state, inp, c, w, dec, seq, out, dec_out):
+        if through_ops:
+            torch.ops.flash_compress.prefill(state, inp, out, ape, indices, c, w, None, None)
+            torch.ops.flash_compress.decode(state, dec, dec_out, ape, indices, seq, None, None)
+        else:
+            plan = fc.PrefillPlan(c, w, m, m, True)
+            fc.prefill(state, inp, ape, indices, plan, out=out)
+            fc.decode(state, dec, ape, indices, seq, out=dec_out)
+
+    def load_step(prefix: list[int], extend: list[int]):
+        seq = [p + e for p, e in zip(prefix, extend)]
+        plan = fc.plan_prefill(torch.tensor(seq), torch.tensor(extend), device=DEV, use_cuda_graph=True)
+        static_inp.copy_(torch.randn(m, 2 * d, generator=gen))
+        static_dec.copy_(torch.randn(2, 2 * d, generator=gen))
+        static_seq.copy_(torch.tensor([s + 1 for s in seq], dtype=torch.int32))
+        static_c.copy_(plan.compress_plan)
+        static_w.copy_(plan.write_plan)
+        static_out.fill_(float("nan"))
+        static_dec_out.fill_(float("nan"))
+
+    # (prefix, extend) per step; each step's decode adds one token, so the next prefix is seq + 1.
+    steps = [([0, 0], [250, 150]), ([251, 151], [10, 390]), ([262, 542], [395, 5]), ([658, 548], [200, 200])]
+    load_step(*steps[0])
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):  # loads the variant and warms up outside the capture
+        run(static_state.clone(), static_inp, static_c, static_w, static_dec, static_seq, static_out.clone(),
+            static_dec_out.clone())
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    captured_state = static_state.clone()
+    with torch.cuda.graph(graph):
+        run(static_state, static_inp, static_c, static_w, static_dec, static_seq, static_out, static_dec_out)
+    static_state.copy_(captured_state)  # capture does not run the kernels, but be sure
+
+    eager_state = static_state.clone()
+    for k, step in enumerate(steps):
+        load_step(*step)
+        eager_out = torch.full_like(static_out, float("nan"))
+        eager_dec_out = torch.full_like(static_dec_out, float("nan"))
+        run(eager_state, static_inp, static_c, static_w, static_dec, static_seq, eager_out, eager_dec_out)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_state, eager_state), f"step {k}: states differ from eager"
+        assert torch.equal(static_out.isnan(), eager_out.isnan()), f"step {k}: written rows differ from eager"
+        written = ~eager_out.isnan()
+        assert torch.equal(static_out[written], eager_out[written]), f"step {k}: prefill rows differ from eager"
+        assert torch.equal(static_dec_out.nan_to_num(7.0), eager_dec_out.nan_to_num(7.0)), f"step {k}: decode rows"
+
+
+def test_debug_mode_refuses_bad_slots_before_launching(gpu, monkeypatch):
+    monkeypatch.setenv("FLASH_COMPRESS_DEBUG", "1")
+    d = 128
+    state = torch.zeros(4, 1, 3 * d, device=DEV)
+    ape = torch.zeros(CHUNK, d, device=DEV)
+    inp = torch.zeros(1, 2 * d, device=DEV)
+    with pytest.raises(ValueError, match="'indices'"):
+        fc.decode(state, inp, ape, torch.tensor([4], dtype=torch.int32, device=DEV),
+                  torch.tensor([3], dtype=torch.int32, device=DEV))
+    plan = fc.plan_prefill(torch.tensor([1]), torch.tensor([1]), device=DEV)
+    with pytest.raises(ValueError, match="'load_indices'"):
+        fc.prefill(state, inp, ape, torch.tensor([0], dtype=torch.int32, device=DEV), plan,
+                   load_indices=torch.tensor([-2], dtype=torch.int32, device=DEV))
+    torch.cuda.synchronize()  # the context is still healthy: nothing bad was launched
+
+
+def test_raw_errors_reach_the_api_naming_the_argument(gpu):
+    d = 128
+    state = torch.zeros(4, 1, 3 * d, device=DEV)
+    ape = torch.zeros(CHUNK, d, device=DEV)
+    idx = torch.tensor([0], dtype=torch.int32, device=DEV)
+    with pytest.raises(TypeError, match="seq_lens"):
+        fc.decode(state, torch.zeros(1, 2 * d, device=DEV), ape, idx, torch.tensor([3], device=DEV))
+    with pytest.raises(ValueError, match="kv_score_input"):
+        fc.decode(state, torch.zeros(1, 2 * d + 1, device=DEV), ape, idx, idx + 1)
+    with pytest.raises(ValueError, match="compress_plan"):
+        cpu_plan = fc.plan_prefill(torch.tensor([128]), torch.tensor([128]), device="cpu")
+        fc.prefill(state, torch.zeros(128, 2 * d, device=DEV), ape, idx, cpu_plan)
+
+
+# ---------------------------------------------------------------------------
+# The GPU planner (lengths on the device): runs where the raw module has it.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu_planner(gpu):
+    try:
+        fc.plan_prefill(torch.tensor([5], device=DEV), torch.tensor([5], device=DEV), device=DEV, num_tokens=5)
+    except NotImplementedError as exc:
+        pytest.skip(f"the compiled planner has no GPU path in this build: {exc}")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_gpu_planner_matches_the_host_planner(gpu_planner, dtype):
+    import random
+
+    rng = random.Random(3)
+    for _ in range(20):
+        b = rng.randint(1, 64)
+        extend = [rng.choice([1, rng.randint(1, 300), 128]) for _ in range(b)]
+        seq = [e + rng.randint(0, 10**6) for e in extend]
+        got = fc.plan_prefill(torch.tensor(seq, dtype=dtype, device=DEV), torch.tensor(extend, dtype=dtype, device=DEV),
+                              device=DEV, num_tokens=sum(extend))
+        want = fc.plan_prefill(torch.tensor(seq), torch.tensor(extend), device=DEV, use_cuda_graph=True)
+        exact = fc.plan_prefill(torch.tensor(seq), torch.tensor(extend), device="cpu")
+        assert got.use_cuda_graph and got.counts is not None
+        assert torch.equal(got.compress_plan, want.compress_plan) and torch.equal(got.write_plan, want.write_plan)
+        assert got.counts.tolist() == [exact.num_compress, exact.num_write, 0]
+
+
+def test_gpu_planner_flags_bad_lengths_and_debug_mode_refuses_the_plan(gpu_planner, monkeypatch):
+    plan = fc.plan_prefill(torch.tensor([5], device=DEV), torch.tensor([6], device=DEV), device=DEV, num_tokens=6)
+    assert int(plan.counts[2]) != 0
+    assert bool((plan.compress_plan == 0xFF).all()) and bool((plan.write_plan == 0xFF).all())
+    monkeypatch.setenv("FLASH_COMPRESS_DEBUG", "1")
+    d = 128
+    with pytest.raises(ValueError, match="'plan'.*error flag"):
+        fc.prefill(torch.zeros(2, 1, 3 * d, device=DEV), torch.zeros(6, 2 * d, device=DEV),
+                   torch.zeros(CHUNK, d, device=DEV), torch.tensor([0], dtype=torch.int32, device=DEV), plan)
