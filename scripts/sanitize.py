@@ -136,7 +136,9 @@ def _prebuild(pdl_values: list[int]) -> None:
         flash_compress.load_module(head_dim=HEAD_DIM, use_pdl=bool(pdl))
 
 
-_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+error")
+# racecheck ends with "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)";
+# the other tools with "ERROR SUMMARY: N errors". Any hazard counts as an error.
+_SUMMARY = re.compile(r"(?:ERROR SUMMARY:\s*(\d+)\s+error|RACECHECK SUMMARY:\s*(\d+)\s+hazard)")
 
 
 def _run_one(sanitizer: str, tool: str, pdl: int, out: Path, timeout: float, target_processes: str) -> tuple[bool, str]:
@@ -163,7 +165,7 @@ def _run_one(sanitizer: str, tool: str, pdl: int, out: Path, timeout: float, tar
         return False, f"{label} TIMEOUT after {seconds:.0f}s (log {log})"
     if match is None:
         return False, f"{label} no sanitizer summary (exit {rc}; see {log} and {stem}.stdout)"
-    errors = int(match.group(1))
+    errors = int(match.group(1) or match.group(2))
     driver_ok = DRIVER_OK in stdout
     line = f"{label} {errors} errors ({seconds:.0f}s)"
     if not driver_ok or rc != 0:
