@@ -1,12 +1,16 @@
 """Benchmark the online c128 kernels on a GPU against pure torch and the copy ceiling.
 
     python scripts/bench.py [--head-dim 512] [--json bench.json] [--quick] [--skip-torch]
+                            [--reference ../shared/seed/c128_online.cuh.txt]
 
 Times are CUDA-event medians; decode at small batch is timed as CUDA-graph
 replays of many launches (launch gaps would dominate otherwise). "% of copy"
 is the bytes that must cross HBM once (inputs read, outputs and states
 written, prior states read) over the time, divided by the rate of a large
 device-to-device copy measured in the same run (bytes read plus written).
+With ``--reference``, the reference design (``scripts/reference_design.py``)
+runs the same cases on the same data in the same run, planned by its own
+planner.
 """
 
 from __future__ import annotations
@@ -130,6 +134,7 @@ def prefill_case(module, head_dim, batch, extend, random_prefix, gen):
         "out": torch.empty(rows, head_dim, device="cuda"),
         "ape": torch.randn(CHUNK, head_dim, device="cuda"),
         "indices": torch.arange(batch, dtype=torch.int32, device="cuda"),
+        "seq_lens": seq_lens,
     }
     exact = plan(module, [extend] * batch, seq_lens, False)
     padded = plan(module, [extend] * batch, seq_lens, True)
@@ -140,9 +145,21 @@ def prefill_case(module, head_dim, batch, extend, random_prefix, gen):
     return data, exact, padded, bytes_moved
 
 
+def implementations(args) -> list[tuple[str, object]]:
+    """(name, module) of each implementation to time; ours first."""
+    impls = [("flash_compress", flash_compress.load_module(args.head_dim))]
+    if args.reference:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from reference_design import load_reference
+
+        impls.append(("reference design", load_reference(args.reference, args.head_dim)))
+    return impls
+
+
 def run(args) -> list[Row]:
     head_dim = args.head_dim
-    module = flash_compress.load_module(head_dim)
+    impls = implementations(args)
+    module = impls[0][1]
     gen = torch.Generator().manual_seed(0)
     ceiling = copy_gbps()
     print(f"device: {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s (read + write)")
@@ -160,11 +177,16 @@ def run(args) -> list[Row]:
         data, exact, padded, bytes_moved = prefill_case(module, head_dim, batch, extend, random_prefix, gen)
         d = data
 
-        def call(plans):
-            module.run_prefill(d["state"], d["input"], d["out"], d["ape"], d["indices"], *plans, None)
+        for impl, impl_module in impls:
+            # Each implementation runs the plans of its own planner.
+            own_exact = plan(impl_module, [extend] * batch, d["seq_lens"], False)
+            own_padded = plan(impl_module, [extend] * batch, d["seq_lens"], True)
 
-        add(f"prefill {name}", "flash_compress", median_ms(lambda: call(exact)), bytes_moved)
-        add(f"prefill {name}", "flash_compress graph-plan", median_ms(lambda: call(padded)), bytes_moved)
+            def call(plans, m=impl_module):
+                m.run_prefill(d["state"], d["input"], d["out"], d["ape"], d["indices"], *plans, None)
+
+            add(f"prefill {name}", impl, median_ms(lambda: call(own_exact)), bytes_moved)
+            add(f"prefill {name}", f"{impl} graph-plan", median_ms(lambda: call(own_padded)), bytes_moved)
         if not random_prefix and not args.skip_torch:
             out_rows = torch.empty(batch * extend // CHUNK, head_dim, device="cuda")
             add(f"prefill {name}", "torch eager",
@@ -190,20 +212,19 @@ def run(args) -> list[Row]:
         # state written back, or for a closing chunk its output row instead.
         bytes_moved = 4 * head_dim * (2 * batch + 3 * state_reads + 3 * (batch - closing) + closing)
 
-        def call():
-            module.run_decode(state, tokens, out, ape, indices, seq_lens, None)
-
         def eager():
             torch_decode(state, tokens, out, ape, indices, seq_lens)
 
-        if batch <= 4096:
-            add(f"decode B={batch} (graph)", "flash_compress", graph_median_ms(call), bytes_moved)
-            if not args.skip_torch:
-                add(f"decode B={batch} (graph)", "torch eager", graph_median_ms(eager, launches=10), bytes_moved)
-        else:
-            add(f"decode B={batch}", "flash_compress", median_ms(call), bytes_moved)
-            if not args.skip_torch:
-                add(f"decode B={batch}", "torch eager", median_ms(eager, iters=20), bytes_moved)
+        in_graph = batch <= 4096
+        case = f"decode B={batch}" + (" (graph)" if in_graph else "")
+        for impl, impl_module in impls:
+            def call(m=impl_module):
+                m.run_decode(state, tokens, out, ape, indices, seq_lens, None)
+
+            add(case, impl, graph_median_ms(call) if in_graph else median_ms(call), bytes_moved)
+        if not args.skip_torch:
+            add(case, "torch eager", graph_median_ms(eager, launches=10) if in_graph else median_ms(eager, iters=20),
+                bytes_moved)
     return rows, ceiling
 
 
@@ -213,6 +234,8 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the rows here as JSON")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--skip-torch", action="store_true", help="time only this project and the copy")
+    parser.add_argument("--reference", default=None, metavar="SEED",
+                        help="also time the reference design built from this seed file (SPEC.md's seed)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench.py needs a CUDA GPU", file=sys.stderr)

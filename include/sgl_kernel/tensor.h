@@ -223,6 +223,9 @@ class TensorMatcher {
     return *this;
   }
 
+  /// \brief The one-argument form of SPEC.md section 6; its messages can
+  /// only say "tensor", so exports should name the argument.
+  const TensorMatcher& verify(const tvm::ffi::TensorView& tensor) const { return verify(tensor, "tensor"); }
   const TensorMatcher& verify(const tvm::ffi::TensorView& tensor, const char* name) const {
     if (tensor.ndim() != static_cast<int32_t>(dims_.size())) {
       fail("ValueError", name, "a " + std::to_string(dims_.size()) + "-D tensor of shape " + expected_shape(),
