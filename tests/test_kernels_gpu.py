@@ -56,6 +56,22 @@ def test_prefill_heavy_schedule_with_relocation(gpu, use_pdl, cuda_graph):
 
 
 @pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])
+def test_wide_and_narrow_channel_slices(gpu, use_pdl):
+    """A pass with many plan rows runs 64-channel slices, one with few rows 16-channel slices
+    (``C128Online::launch_pass``; on an H200 the switch is at 132 rows for head_dim 512): a
+    240-request batch runs both passes wide, with and without mid-chunk starts, and a 2-request
+    step runs them narrow."""
+    module = kernels(512, use_pdl)
+    h = ScheduleHarness(module, head_dim=512, device="cuda", seed=11, num_slots=250, max_requests=240)
+    batch = [h.start_request() for _ in range(240)]
+    h.prefill_step([(r, h.rng.randint(1, 127), None) for r in batch])  # write rows only
+    h.prefill_step([(r, h.rng.randint(1, 300), None) for r in batch])  # mid-chunk starts
+    h.prefill_step([(r, 130, None) for r in batch[:2]])
+    h.check_live_states()
+    assert h.stats.prefill_calls == 3 and h.stats.rows_checked > 240
+
+
+@pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])
 def test_decode_through_several_chunks(gpu, use_pdl):
     module = kernels(256, use_pdl)
     h = ScheduleHarness(module, head_dim=256, device="cuda", seed=7, num_slots=8)

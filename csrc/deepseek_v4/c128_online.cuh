@@ -153,13 +153,16 @@ struct DecodeParams {
 template <int64_t kHeadDim>
 struct DecodeLayout {
   static constexpr uint32_t kLanes = kHeadDim / kVecWidth;  // threads per request
-  static constexpr uint32_t kRequestsPerGroup = kLanes >= 256 ? 1 : 256 / kLanes;
+  /// Threads of a block, when one request needs fewer.
+  static constexpr uint32_t kBlockThreads = 256;
+  static constexpr uint32_t kRequestsPerGroup = kLanes >= kBlockThreads ? 1 : kBlockThreads / kLanes;
   static constexpr uint32_t kThreads = kLanes * kRequestsPerGroup;
   /// Requests each thread group loads before computing any. 2 measured no
   /// faster than 1 at B=32768 (docs/PERFORMANCE.md): occupancy fell as much
   /// as the bytes in flight per thread rose.
   static constexpr uint32_t kRequestsPerThread = 1;
   static constexpr uint32_t kRequestsPerBlock = kRequestsPerGroup * kRequestsPerThread;
+  static constexpr uint32_t kMinBlocks = 1;  // per SM, for __launch_bounds__
 };
 
 /// \brief What one thread reads for one request's 4 channels.
@@ -227,7 +230,7 @@ SGL_DEVICE void finish_decode_request(const DecodeParams& params, const DecodeLo
 }
 
 template <int64_t kHeadDim, bool kUsePDL>
-__global__ void __launch_bounds__(DecodeLayout<kHeadDim>::kThreads)
+__global__ void __launch_bounds__(DecodeLayout<kHeadDim>::kThreads, DecodeLayout<kHeadDim>::kMinBlocks)
     c128_decode_kernel(const __grid_constant__ DecodeParams params) {
   using Layout = DecodeLayout<kHeadDim>;
   const uint32_t lane = threadIdx.x % Layout::kLanes;
@@ -263,19 +266,29 @@ struct PrefillParams {
   uint32_t num_tokens;
   uint32_t batch_size;
   int32_t num_slots;
+  /// Set on both passes when both run. The compress pass then lets the write
+  /// pass launch as soon as its own PDL wait returns, and the write pass
+  /// waits only before it stores states: whatever it reads was complete
+  /// before the compress pass passed that wait, and the compress pass
+  /// writes nothing the write pass reads. Its blocks thus fill the SMs the
+  /// compress pass's tail leaves idle.
+  bool overlap_passes;
 };
 
-template <int64_t kHeadDim>
+template <int64_t kHeadDim, uint32_t kSliceDim_>
 struct PrefillLayout {
   static_assert(kSupportedHeadDim<kHeadDim>, "head_dim must be a multiple of 64 in [64, 1024]");
   /// A warp computes one slice of channels of one segment: no block-wide
-  /// merge, no barrier, and every warp streams independently. Narrow slices
-  /// make many items, so even one long request fills the GPU; each lane
-  /// group still reads whole 128-byte lines.
-  static constexpr uint32_t kSliceDim = 64;
-  static_assert(kHeadDim % kSliceDim == 0);
+  /// merge, no barrier, and every warp streams independently. The slice is
+  /// chosen per pass (see C128Online::launch_pass): wide slices when there
+  /// are many items, narrow ones when a pass has few rows, so that its warps
+  /// split each segment's tokens over more lanes and finish in fewer rounds
+  /// of dependent loads.
+  static constexpr uint32_t kSliceDim = kSliceDim_;
+  static_assert(kHeadDim % kSliceDim == 0 && kSliceDim % kVecWidth == 0);
   static constexpr uint32_t kSlices = kHeadDim / kSliceDim;
   static constexpr uint32_t kLanes = kSliceDim / kVecWidth;            // lanes per token of a slice
+  static_assert(kLanes <= device::kWarpThreads && device::kWarpThreads % kLanes == 0);
   static constexpr uint32_t kTokenLanes = device::kWarpThreads / kLanes;  // tokens a warp reads at once
   static constexpr uint32_t kThreads = 256;
   static constexpr uint32_t kWarps = kThreads / device::kWarpThreads;
@@ -284,6 +297,13 @@ struct PrefillLayout {
   /// Keeps registers at or under 128, so two blocks (16 warps) fit per SM.
   static constexpr uint32_t kMinBlocksPerSM = 2;
 };
+
+/// Slice widths a pass may run with, widest first.
+inline constexpr uint32_t kWideSliceDim = 64;
+inline constexpr uint32_t kNarrowSliceDim = 16;
+/// Rounds of plan decoding (32 items per warp each) a narrow pass may spend
+/// on a padded plan before its extra rounds cost more than they save.
+inline constexpr int64_t kMaxNarrowScanRounds = 4;
 
 /// \brief One (segment, channel slice) a warp has to compute, decoded and
 /// checked from its plan row.
@@ -360,9 +380,8 @@ SGL_DEVICE void merge_token_lanes(SoftmaxPartial& part) {
 
 /// \brief Computes one segment slice with one warp and stores it: the
 /// compressed row (compress pass) or the new state (write pass).
-template <int64_t kHeadDim, bool kWritePass>
+template <class Layout, int64_t kHeadDim, bool kWritePass, bool kUsePDL>
 SGL_DEVICE void compress_segment(const SegmentWork& work, const PrefillParams& params) {
-  using Layout = PrefillLayout<kHeadDim>;
   constexpr uint32_t kBatch = Layout::kBatch;
   constexpr uint32_t kStride = Layout::kTokenLanes;
   const uint32_t lane = threadIdx.x % device::kWarpThreads;
@@ -405,6 +424,8 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, const PrefillParams& p
 
   const SoftmaxState out = work.prior_slot >= 0 ? finish_state(part, prior) : finish_state(part);
   if constexpr (kWritePass) {
+    // The compress pass may still be reading this slot (overlap_passes).
+    device::PDLWaitPrimary<kUsePDL>();
     float* slot = params.state + static_cast<int64_t>(work.target) * (3 * kHeadDim) + channel;
     out.max.store(slot);
     out.sum.store(slot + kHeadDim);
@@ -419,12 +440,14 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, const PrefillParams& p
 /// rows at once and the warp runs the live ones, so the sentinel rows of a
 /// CUDA-graph plan cost one parallel load per 32 items, not a dependent
 /// chain.
-template <int64_t kHeadDim, bool kWritePass, bool kUsePDL>
-__global__ void __launch_bounds__(PrefillLayout<kHeadDim>::kThreads, PrefillLayout<kHeadDim>::kMinBlocksPerSM)
+template <int64_t kHeadDim, uint32_t kSliceDim, bool kWritePass, bool kUsePDL>
+__global__ void __launch_bounds__(PrefillLayout<kHeadDim, kSliceDim>::kThreads,
+                                  PrefillLayout<kHeadDim, kSliceDim>::kMinBlocksPerSM)
     c128_prefill_kernel(const __grid_constant__ PrefillParams params) {
-  using Layout = PrefillLayout<kHeadDim>;
+  using Layout = PrefillLayout<kHeadDim, kSliceDim>;
   constexpr uint32_t kWarp = device::kWarpThreads;
-  device::PDLWaitPrimary<kUsePDL>();
+  if (!(kWritePass && params.overlap_passes)) device::PDLWaitPrimary<kUsePDL>();
+  if (!kWritePass && params.overlap_passes) device::PDLTriggerSecondary<kUsePDL>();
   const uint64_t num_items = static_cast<uint64_t>(params.num_rows) * Layout::kSlices;
   const uint64_t num_warps = static_cast<uint64_t>(gridDim.x) * Layout::kWarps;
   const uint32_t lane = threadIdx.x % kWarp;
@@ -435,9 +458,13 @@ __global__ void __launch_bounds__(PrefillLayout<kHeadDim>::kThreads, PrefillLayo
     const bool live = item < num_items && decode_segment<kWritePass>(params.plan[item / Layout::kSlices],
                                                                      item % Layout::kSlices, params, work);
     for (uint32_t pending = __ballot_sync(0xffffffffu, live); pending != 0; pending &= pending - 1) {
-      compress_segment<kHeadDim, kWritePass>(broadcast_work(work, __ffs(pending) - 1), params);
+      compress_segment<Layout, kHeadDim, kWritePass, kUsePDL>(broadcast_work(work, __ffs(pending) - 1), params);
     }
   }
+  // Every thread waits before it exits, so that this grid completes only
+  // after the one before it: a kernel that waits on this one then waits on
+  // both passes.
+  device::PDLWaitPrimary<kUsePDL>();
   device::PDLTriggerSecondary<kUsePDL>();
 }
 
@@ -448,10 +475,7 @@ __global__ void __launch_bounds__(PrefillLayout<kHeadDim>::kThreads, PrefillLayo
 template <int64_t kHeadDim, bool kUsePDL>
 struct C128Online {
   static_assert(kSupportedHeadDim<kHeadDim>, "head_dim must be a multiple of 64 in [64, 1024]");
-  using Prefill = PrefillLayout<kHeadDim>;
   static constexpr auto kDecodeKernel = c128_decode_kernel<kHeadDim, kUsePDL>;
-  static constexpr auto kCompressKernel = c128_prefill_kernel<kHeadDim, false, kUsePDL>;
-  static constexpr auto kWriteKernel = c128_prefill_kernel<kHeadDim, true, kUsePDL>;
   /// \brief Checks the tensors every kernel shares; returns the slot count.
   static int32_t verify_common(const tvm::ffi::TensorView& kv_score_buffer, const tvm::ffi::TensorView& kv_score_input,
                                const tvm::ffi::TensorView& kv_compressed_output, const tvm::ffi::TensorView& ape,
@@ -559,29 +583,56 @@ struct C128Online {
         .num_tokens = static_cast<uint32_t>(N.unwrap()),
         .batch_size = static_cast<uint32_t>(B.unwrap()),
         .num_slots = num_slots,
+        .overlap_passes = num_compress.unwrap() > 0 && num_write.unwrap() > 0,
     };
     const DLDevice dl_device = device.unwrap();
     // Pass 1 only reads states; pass 2 then overwrites them. Stream order
     // (PDL waits included) keeps every read of a slot before its write.
     params.plan = data_ptr<const PrefillPlan>(compress_plan);
     params.num_rows = static_cast<uint32_t>(num_compress.unwrap());
-    launch_pass<kCompressKernel>(params, dl_device);
+    launch_pass</*kWritePass=*/false>(params, dl_device);
     params.plan = data_ptr<const PrefillPlan>(write_plan);
     params.num_rows = static_cast<uint32_t>(num_write.unwrap());
-    launch_pass<kWriteKernel>(params, dl_device);
+    launch_pass</*kWritePass=*/true>(params, dl_device);
   }
 
  private:
-  template <auto kKernel>
+  /// \brief Launches one pass over `params.num_rows` plan rows. Wide slices
+  /// read whole 256-byte runs per token, but give a pass of few rows few
+  /// items, each a long chain of dependent loads. Narrow slices split each
+  /// segment over 4x the warps and 4x the token lanes. The wide form runs
+  /// whenever its items could fill at least half the resident warps. A
+  /// request has at most one write row, so a write pass has at most
+  /// batch_size live rows however far a CUDA-graph plan is padded.
+  template <bool kWritePass>
   static void launch_pass(const PrefillParams& params, DLDevice device) {
-    const int64_t num_items = static_cast<int64_t>(params.num_rows) * Prefill::kSlices;
-    if (num_items == 0) return;
+    if (params.num_rows == 0) return;
+    constexpr auto kWide = c128_prefill_kernel<kHeadDim, kWideSliceDim, kWritePass, kUsePDL>;
+    using Wide = PrefillLayout<kHeadDim, kWideSliceDim>;
+    const int64_t wide_warps = host::runtime::resident_blocks<kWide>(device.device_id, Wide::kThreads) * Wide::kWarps;
+    constexpr auto kNarrow = c128_prefill_kernel<kHeadDim, kNarrowSliceDim, kWritePass, kUsePDL>;
+    using Narrow = PrefillLayout<kHeadDim, kNarrowSliceDim>;
+    const int64_t live_rows = kWritePass ? std::min(params.num_rows, params.batch_size) : params.num_rows;
+    const int64_t narrow_warps =
+        host::runtime::resident_blocks<kNarrow>(device.device_id, Narrow::kThreads) * Narrow::kWarps;
+    // Every warp decodes 32 items per round, padding rows included.
+    const int64_t narrow_scan_rounds = static_cast<int64_t>(params.num_rows) * Narrow::kSlices / (narrow_warps * 32);
+    if (live_rows * Wide::kSlices * 2 >= wide_warps || narrow_scan_rounds > kMaxNarrowScanRounds) {
+      launch_grid<kWide, Wide>(params, device);
+    } else {
+      launch_grid<kNarrow, Narrow>(params, device);
+    }
+  }
+
+  template <auto kKernel, class Layout>
+  static void launch_grid(const PrefillParams& params, DLDevice device) {
     // One warp per item up to a full GPU; beyond that warps loop (a grid of
     // mostly-idle blocks would only cost launch and scheduling time).
-    const int64_t max_blocks = host::runtime::resident_blocks<kKernel>(device.device_id, Prefill::kThreads);
-    const int64_t wanted = (num_items + Prefill::kWarps - 1) / Prefill::kWarps;
+    const int64_t num_items = static_cast<int64_t>(params.num_rows) * Layout::kSlices;
+    const int64_t max_blocks = host::runtime::resident_blocks<kKernel>(device.device_id, Layout::kThreads);
+    const int64_t wanted = (num_items + Layout::kWarps - 1) / Layout::kWarps;
     const auto blocks = static_cast<uint32_t>(std::min(wanted, max_blocks));
-    host::LaunchKernel(blocks, Prefill::kThreads, device).enable_pdl(kUsePDL)(kKernel, params);
+    host::LaunchKernel(blocks, Layout::kThreads, device).enable_pdl(kUsePDL)(kKernel, params);
   }
 };
 
