@@ -162,7 +162,6 @@ struct DecodeLayout {
   /// as the bytes in flight per thread rose.
   static constexpr uint32_t kRequestsPerThread = 1;
   static constexpr uint32_t kRequestsPerBlock = kRequestsPerGroup * kRequestsPerThread;
-  static constexpr uint32_t kMinBlocks = 1;  // per SM, for __launch_bounds__
 };
 
 /// \brief What one thread reads for one request's 4 channels.
@@ -230,7 +229,7 @@ SGL_DEVICE void finish_decode_request(const DecodeParams& params, const DecodeLo
 }
 
 template <int64_t kHeadDim, bool kUsePDL>
-__global__ void __launch_bounds__(DecodeLayout<kHeadDim>::kThreads, DecodeLayout<kHeadDim>::kMinBlocks)
+__global__ void __launch_bounds__(DecodeLayout<kHeadDim>::kThreads)
     c128_decode_kernel(const __grid_constant__ DecodeParams params) {
   using Layout = DecodeLayout<kHeadDim>;
   const uint32_t lane = threadIdx.x % Layout::kLanes;
