@@ -97,10 +97,13 @@ def test_random_plan_bytes_and_slots_are_memory_safe(gpu, use_pdl):
 
 
 @pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])
-def test_long_padded_plans_loop_every_block(gpu, use_pdl):
-    """~1.2M padding rows around a few real ones: every block walks several batches of rows."""
-    run = runner(128, use_pdl)
-    call = dv.long_padded_call(1, 128, rows=1_200_000)
+@pytest.mark.parametrize(("head_dim", "rows"), [(128, 1_200_000), (512, 3000)], ids=["wide", "narrow"])
+def test_long_padded_plans_loop_every_block(gpu, use_pdl, head_dim, rows):
+    """Real rows at random places among padding rows, most of them past the rows a pass splits into
+    channel slices (as many as a planned plan can have live): 1.2M rows make every block walk several
+    batches of rows on wide slices; 3000 rows run on narrow ones."""
+    run = runner(head_dim, use_pdl)
+    call = dv.long_padded_call(1, head_dim, rows=rows)
     buffer, output = call.buffer.clone(), call.output.clone()
     run.run_prefill(buffer, call.inputs, output, call.ape, call.indices, call.compress_plan, call.write_plan,
                     call.load_indices)

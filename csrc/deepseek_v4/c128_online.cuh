@@ -7,6 +7,7 @@
 #pragma once
 
 #include <dlpack/dlpack.h>
+#include <sgl_kernel/async_copy.cuh>
 #include <sgl_kernel/deepseek_v4/compress.cuh>
 #include "c128_plan.cuh"
 #include <sgl_kernel/runtime.cuh>
@@ -153,15 +154,12 @@ struct DecodeParams {
 template <int64_t kHeadDim>
 struct DecodeLayout {
   static constexpr uint32_t kLanes = kHeadDim / kVecWidth;  // threads per request
-  /// Threads of a block, when one request needs fewer.
-  static constexpr uint32_t kBlockThreads = 256;
-  static constexpr uint32_t kRequestsPerGroup = kLanes >= kBlockThreads ? 1 : kBlockThreads / kLanes;
-  static constexpr uint32_t kThreads = kLanes * kRequestsPerGroup;
-  /// Requests each thread group loads before computing any. 2 measured no
-  /// faster than 1 at B=32768 (docs/PERFORMANCE.md): occupancy fell as much
-  /// as the bytes in flight per thread rose.
-  static constexpr uint32_t kRequestsPerThread = 1;
-  static constexpr uint32_t kRequestsPerBlock = kRequestsPerGroup * kRequestsPerThread;
+  /// A block holds blockDim.x / kLanes requests, chosen per launch
+  /// (C128Online::run_decode) up to this many threads.
+  static constexpr uint32_t kMaxThreads = kLanes > 256 ? kLanes : 256;
+  static constexpr uint32_t kMaxRequestsPerBlock = kMaxThreads / kLanes;
+  /// At least a warp per block.
+  static constexpr uint32_t kMinRequestsPerBlock = kLanes >= device::kWarpThreads ? 1 : device::kWarpThreads / kLanes;
 };
 
 /// \brief What one thread reads for one request's 4 channels.
@@ -177,15 +175,18 @@ SGL_DEVICE DecodeLoads load_decode_request(const DecodeParams& params, uint32_t 
   DecodeLoads in;
   in.state = nullptr;
   if (request >= params.batch_size) return in;
+  // The token's row is read before its slot and position are known (and
+  // even if they turn out bad): its loads then overlap theirs instead of
+  // waiting a round trip for them.
+  const float* token = params.input + static_cast<int64_t>(request) * (2 * kHeadDim) + lane * kVecWidth;
+  in.kv.load(token);
+  in.score.load(token + kHeadDim);
   const int32_t slot = params.indices[request];
   const int32_t seq_len = params.seq_lens[request];
   // Values the host cannot check without a sync: such a request is skipped.
   if (seq_len < 1 || slot < 0 || slot >= params.num_slots) return in;
   in.pos = static_cast<uint32_t>(seq_len - 1) % kChunk;
   in.state = params.state + static_cast<int64_t>(slot) * (3 * kHeadDim) + lane * kVecWidth;
-  const float* token = params.input + static_cast<int64_t>(request) * (2 * kHeadDim) + lane * kVecWidth;
-  in.kv.load_streaming(token);
-  in.score.load_streaming(token + kHeadDim);
   in.bias.load(params.ape + in.pos * kHeadDim + lane * kVecWidth);
   if (in.pos != 0) {  // the first token of a chunk replaces the state unread
     in.old.max.load(in.state);
@@ -229,24 +230,16 @@ SGL_DEVICE void finish_decode_request(const DecodeParams& params, const DecodeLo
 }
 
 template <int64_t kHeadDim, bool kUsePDL>
-__global__ void __launch_bounds__(DecodeLayout<kHeadDim>::kThreads)
+__global__ void __launch_bounds__(DecodeLayout<kHeadDim>::kMaxThreads)
     c128_decode_kernel(const __grid_constant__ DecodeParams params) {
   using Layout = DecodeLayout<kHeadDim>;
   const uint32_t lane = threadIdx.x % Layout::kLanes;
-  // A block's requests: its groups take consecutive ones, then the next kRequestsPerGroup, ...
-  const uint32_t first = blockIdx.x * Layout::kRequestsPerBlock + threadIdx.x / Layout::kLanes;
+  const uint32_t request = blockIdx.x * (blockDim.x / Layout::kLanes) + threadIdx.x / Layout::kLanes;
 
   device::PDLWaitPrimary<kUsePDL>();
-  DecodeLoads loads[Layout::kRequestsPerThread];
-#pragma unroll
-  for (uint32_t k = 0; k < Layout::kRequestsPerThread; ++k) {
-    loads[k] = load_decode_request<kHeadDim>(params, first + k * Layout::kRequestsPerGroup, lane);
-  }
+  const DecodeLoads loads = load_decode_request<kHeadDim>(params, request, lane);
   device::PDLTriggerSecondary<kUsePDL>();
-#pragma unroll
-  for (uint32_t k = 0; k < Layout::kRequestsPerThread; ++k) {
-    finish_decode_request<kHeadDim>(params, loads[k], first + k * Layout::kRequestsPerGroup, lane);
-  }
+  finish_decode_request<kHeadDim>(params, loads, request, lane);
 }
 
 // ---------------------------------------------------------------------------
@@ -262,6 +255,12 @@ struct PrefillParams {
   const int32_t* __restrict__ load_indices; // [B] slot each request reads from
   const PrefillPlan* __restrict__ plan;     // [num_rows] this pass's plan
   uint32_t num_rows;
+  /// Rows [0, num_split_rows) are split into channel slices spread over
+  /// warps. Rows past it can only be live in a plan whose CUDA-graph
+  /// padding does not all trail its rows (the planners put it last): each
+  /// costs one lane of one load, and a live one runs all its slices on the
+  /// warp that found it.
+  uint32_t num_split_rows;
   uint32_t num_tokens;
   uint32_t batch_size;
   int32_t num_slots;
@@ -273,6 +272,11 @@ struct PrefillParams {
   /// compress pass's tail leaves idle.
   bool overlap_passes;
 };
+
+/// \brief Work items of a pass whose rows split into `slices` channel slices.
+__host__ __device__ inline uint64_t pass_items(const PrefillParams& params, uint32_t slices) {
+  return static_cast<uint64_t>(params.num_split_rows) * slices + (params.num_rows - params.num_split_rows);
+}
 
 template <int64_t kHeadDim, uint32_t kSliceDim_>
 struct PrefillLayout {
@@ -291,8 +295,15 @@ struct PrefillLayout {
   static constexpr uint32_t kTokenLanes = device::kWarpThreads / kLanes;  // tokens a warp reads at once
   static constexpr uint32_t kThreads = 256;
   static constexpr uint32_t kWarps = kThreads / device::kWarpThreads;
-  /// Tokens whose loads each lane keeps in flight at once.
+  /// Tokens a lane computes on at once (a round).
   static constexpr uint32_t kBatch = 4;
+  /// Rounds of token loads a lane has issued ahead, the one it computes on
+  /// included: asynchronous copies into shared memory keep them in flight
+  /// without registers, so the stream does not stall while a lane computes.
+  static constexpr uint32_t kStages = 2;
+  /// Dynamic shared memory of a block: every thread's ring of kStages
+  /// rounds of kBatch (kv, score) vectors.
+  static constexpr uint32_t kRingBytes = kStages * kBatch * 2 * sizeof(Vec) * kThreads;
   /// Keeps registers at or under 128, so two blocks (16 warps) fit per SM.
   static constexpr uint32_t kMinBlocksPerSM = 2;
 };
@@ -307,10 +318,11 @@ inline constexpr int64_t kMaxNarrowScanRounds = 4;
 /// \brief One (segment, channel slice) a warp has to compute, decoded and
 /// checked from its plan row.
 struct SegmentWork {
-  uint32_t last_row;    // ragged row of the segment's last token
-  uint32_t first_pos;   // position in the chunk of the segment's first token
-  uint32_t window_len;  // tokens in the segment
-  uint32_t slice;       // channel slice
+  uint32_t last_row;     // ragged row of the segment's last token
+  uint32_t first_pos;    // position in the chunk of the segment's first token
+  uint32_t window_len;   // tokens in the segment
+  uint32_t first_slice;  // channel slices [first_slice, end_slice)
+  uint32_t end_slice;
   int32_t prior_slot;   // slot of the chunk's earlier tokens; -1 if the segment starts the chunk
   int32_t target;       // compress pass: output row; write pass: slot the state goes to
 };
@@ -320,8 +332,8 @@ struct SegmentWork {
 /// a segment that leaves its chunk, a row of the other pass) yield false and
 /// are skipped: the host cannot see these values without a sync.
 template <bool kWritePass>
-SGL_DEVICE bool decode_segment(const PrefillPlan& row, uint32_t slice, const PrefillParams& params,
-                               SegmentWork& work) {
+SGL_DEVICE bool decode_segment(const PrefillPlan& row, uint32_t first_slice, uint32_t end_slice,
+                               const PrefillParams& params, SegmentWork& work) {
   if (row.ragged_id == kPlanSentinel) return false;
   const uint32_t last_pos = row.position % kChunk;
   const bool closes_chunk = last_pos == kChunk - 1;
@@ -332,7 +344,8 @@ SGL_DEVICE bool decode_segment(const PrefillPlan& row, uint32_t slice, const Pre
   work.last_row = row.ragged_id;
   work.first_pos = last_pos + 1 - row.window_len;
   work.window_len = row.window_len;
-  work.slice = slice;
+  work.first_slice = first_slice;
+  work.end_slice = end_slice;
   work.prior_slot = -1;
   if (work.first_pos != 0) {
     work.prior_slot = params.load_indices[row.batch_id];
@@ -347,6 +360,18 @@ SGL_DEVICE bool decode_segment(const PrefillPlan& row, uint32_t slice, const Pre
   return true;
 }
 
+/// \brief A thread's ring of token rounds in shared memory. Vector (stage, k,
+/// part) of thread i sits at [(stage * kBatch + k) * 2 + part][i], so a warp's
+/// 32 copies of one vector land in 512 contiguous bytes (no bank conflicts).
+template <class Layout>
+struct TokenRing {
+  Vec* thread_base;
+
+  SGL_DEVICE Vec* at(uint32_t round, uint32_t k, uint32_t part) const {
+    return thread_base + (((round % Layout::kStages) * Layout::kBatch + k) * 2 + part) * Layout::kThreads;
+  }
+};
+
 /// \brief Every lane gets lane `src`'s `work`.
 SGL_DEVICE SegmentWork broadcast_work(const SegmentWork& work, uint32_t src) {
   constexpr uint32_t kAll = 0xffffffffu;
@@ -354,7 +379,8 @@ SGL_DEVICE SegmentWork broadcast_work(const SegmentWork& work, uint32_t src) {
       .last_row = __shfl_sync(kAll, work.last_row, src),
       .first_pos = __shfl_sync(kAll, work.first_pos, src),
       .window_len = __shfl_sync(kAll, work.window_len, src),
-      .slice = __shfl_sync(kAll, work.slice, src),
+      .first_slice = __shfl_sync(kAll, work.first_slice, src),
+      .end_slice = __shfl_sync(kAll, work.end_slice, src),
       .prior_slot = __shfl_sync(kAll, work.prior_slot, src),
       .target = __shfl_sync(kAll, work.target, src),
   };
@@ -380,12 +406,15 @@ SGL_DEVICE void merge_token_lanes(SoftmaxPartial& part) {
 /// \brief Computes one segment slice with one warp and stores it: the
 /// compressed row (compress pass) or the new state (write pass).
 template <class Layout, int64_t kHeadDim, bool kWritePass, bool kUsePDL>
-SGL_DEVICE void compress_segment(const SegmentWork& work, const PrefillParams& params) {
+SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const TokenRing<Layout>& ring,
+                                 const PrefillParams& params) {
+  namespace async_copy = device::async_copy;
   constexpr uint32_t kBatch = Layout::kBatch;
   constexpr uint32_t kStride = Layout::kTokenLanes;
+  constexpr uint32_t kRoundTokens = kStride * kBatch;
   const uint32_t lane = threadIdx.x % device::kWarpThreads;
   const uint32_t token_lane = lane / Layout::kLanes;
-  const uint32_t channel = work.slice * Layout::kSliceDim + (lane % Layout::kLanes) * kVecWidth;
+  const uint32_t channel = slice * Layout::kSliceDim + (lane % Layout::kLanes) * kVecWidth;
 
   // Issued first so that its latency hides under the token loads.
   SoftmaxState prior;
@@ -396,27 +425,57 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, const PrefillParams& p
     prior.kv.load(slot + 2 * kHeadDim);
   }
 
+  // Round r of this lane holds its tokens token_lane + r * kRoundTokens + k * kStride, k < kBatch.
+  const uint32_t rounds =
+      token_lane < work.window_len ? (work.window_len - token_lane + kRoundTokens - 1) / kRoundTokens : 0;
+  const float* first_token = params.input + (static_cast<int64_t>(work.last_row) + 1 - work.window_len) * (2 * kHeadDim) + channel;
+  const float* first_bias = params.ape + static_cast<int64_t>(work.first_pos) * kHeadDim + channel;
+  const auto fetch_tokens = [&](uint32_t round) {
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+      const uint32_t t = token_lane + round * kRoundTokens + k * kStride;
+      if (t < work.window_len) {
+        const float* token = first_token + static_cast<int64_t>(t) * (2 * kHeadDim);
+        async_copy::copy_16(ring.at(round, k, 0), token);
+        async_copy::copy_16(ring.at(round, k, 1), token + kHeadDim);
+      }
+    }
+    async_copy::commit();  // empty past the last round, so that every round counts one group
+  };
+  // The bias rows are few and stay in cache; they are loaded one round ahead.
+  const auto load_bias = [&](uint32_t round, Vec(&bias)[kBatch]) {
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+      const uint32_t t = token_lane + round * kRoundTokens + k * kStride;
+      if (t < work.window_len) bias[k].load(first_bias + static_cast<int64_t>(t) * kHeadDim);
+    }
+  };
+
+#pragma unroll
+  for (uint32_t round = 0; round + 1 < Layout::kStages; ++round) fetch_tokens(round);
+  Vec bias[kBatch];
+  load_bias(0, bias);
   SoftmaxPartial part = SoftmaxPartial::empty();
-  const int64_t first_row = static_cast<int64_t>(work.last_row) + 1 - work.window_len;
-  for (uint32_t t0 = token_lane; t0 < work.window_len; t0 += kStride * kBatch) {
-    Vec kv[kBatch], score[kBatch], bias[kBatch];
+  for (uint32_t round = 0; round < rounds; ++round) {
+    fetch_tokens(round + Layout::kStages - 1);
+    Vec next_bias[kBatch];
+    load_bias(round + 1, next_bias);
+    async_copy::wait<Layout::kStages - 1>();  // this round's group has landed
+    const uint32_t t0 = token_lane + round * kRoundTokens;
     const uint32_t count = min(kBatch, (work.window_len - t0 + kStride - 1) / kStride);
+    Vec kv[kBatch], score[kBatch];
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
       if (k < count) {
-        const uint32_t t = t0 + k * kStride;
-        const float* token = params.input + (first_row + t) * (2 * kHeadDim) + channel;
-        kv[k].load_streaming(token);
-        score[k].load_streaming(token + kHeadDim);
-        bias[k].load(params.ape + (work.first_pos + t) * kHeadDim + channel);
+        kv[k].load(ring.at(round, k, 0));
+        score[k].load(ring.at(round, k, 1));
+#pragma unroll
+        for (uint32_t c = 0; c < kVecWidth; ++c) score[k][c] += bias[k][c];
       }
     }
-#pragma unroll
-    for (uint32_t k = 0; k < kBatch; ++k) {
-#pragma unroll
-      for (uint32_t c = 0; c < kVecWidth; ++c) score[k][c] += bias[k][c];
-    }
     absorb_tokens<kBatch>(part, kv, score, count);
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) bias[k] = next_bias[k];
   }
   if constexpr (kStride > 1) merge_token_lanes<Layout::kLanes>(part);
   if (token_lane != 0) return;
@@ -434,30 +493,42 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, const PrefillParams& p
   }
 }
 
-/// \brief One prefill pass. Work items are (plan row, channel slice); warp w
-/// of W owns items w, w + W, w + 2W, ... Its lanes decode 32 of its plan
-/// rows at once and the warp runs the live ones, so the sentinel rows of a
-/// CUDA-graph plan cost one parallel load per 32 items, not a dependent
-/// chain.
+/// \brief One prefill pass. Work items are (plan row, channel slice) for the
+/// first num_split_rows rows, then one per remaining row; warp w of W owns
+/// items w, w + W, w + 2W, ... Its lanes decode 32 of its plan rows at once
+/// and the warp runs the live ones, so the sentinel rows of a CUDA-graph
+/// plan cost one parallel load per 32 rows, not a dependent chain.
 template <int64_t kHeadDim, uint32_t kSliceDim, bool kWritePass, bool kUsePDL>
 __global__ void __launch_bounds__(PrefillLayout<kHeadDim, kSliceDim>::kThreads,
                                   PrefillLayout<kHeadDim, kSliceDim>::kMinBlocksPerSM)
     c128_prefill_kernel(const __grid_constant__ PrefillParams params) {
   using Layout = PrefillLayout<kHeadDim, kSliceDim>;
   constexpr uint32_t kWarp = device::kWarpThreads;
+  extern __shared__ __align__(16) unsigned char token_ring_bytes[];
+  const TokenRing<Layout> ring{reinterpret_cast<Vec*>(token_ring_bytes) + threadIdx.x};
   if (!(kWritePass && params.overlap_passes)) device::PDLWaitPrimary<kUsePDL>();
   if (!kWritePass && params.overlap_passes) device::PDLTriggerSecondary<kUsePDL>();
-  const uint64_t num_items = static_cast<uint64_t>(params.num_rows) * Layout::kSlices;
+  const uint64_t split_items = static_cast<uint64_t>(params.num_split_rows) * Layout::kSlices;
+  const uint64_t num_items = pass_items(params, Layout::kSlices);
   const uint64_t num_warps = static_cast<uint64_t>(gridDim.x) * Layout::kWarps;
   const uint32_t lane = threadIdx.x % kWarp;
   const uint64_t warp = static_cast<uint64_t>(blockIdx.x) * Layout::kWarps + threadIdx.x / kWarp;
   for (uint64_t base = warp; base < num_items; base += num_warps * kWarp) {
     const uint64_t item = base + lane * num_warps;
     SegmentWork work;
-    const bool live = item < num_items && decode_segment<kWritePass>(params.plan[item / Layout::kSlices],
-                                                                     item % Layout::kSlices, params, work);
+    bool live = false;
+    if (item < split_items) {
+      const auto slice = static_cast<uint32_t>(item % Layout::kSlices);
+      live = decode_segment<kWritePass>(params.plan[item / Layout::kSlices], slice, slice + 1, params, work);
+    } else if (item < num_items) {
+      live = decode_segment<kWritePass>(params.plan[params.num_split_rows + (item - split_items)], 0,
+                                        Layout::kSlices, params, work);
+    }
     for (uint32_t pending = __ballot_sync(0xffffffffu, live); pending != 0; pending &= pending - 1) {
-      compress_segment<Layout, kHeadDim, kWritePass, kUsePDL>(broadcast_work(work, __ffs(pending) - 1), params);
+      const SegmentWork next = broadcast_work(work, __ffs(pending) - 1);
+      for (uint32_t slice = next.first_slice; slice < next.end_slice; ++slice) {
+        compress_segment<Layout, kHeadDim, kWritePass, kUsePDL>(next, slice, ring, params);
+      }
     }
   }
   // Every thread waits before it exits, so that this grid completes only
@@ -531,8 +602,13 @@ struct C128Online {
         .batch_size = static_cast<uint32_t>(batch_size),
         .num_slots = num_slots,
     };
-    const auto blocks = (batch_size + Layout::kRequestsPerBlock - 1) / Layout::kRequestsPerBlock;
-    LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap())
+    // A small batch spreads over as many multiprocessors as it can fill
+    // (it is latency-bound); a large one packs requests into bigger blocks.
+    const int64_t sms = runtime::multiprocessor_count(device.unwrap().device_id);
+    const int64_t per_block = std::clamp<int64_t>((batch_size + sms - 1) / sms, Layout::kMinRequestsPerBlock,
+                                                  Layout::kMaxRequestsPerBlock);
+    const auto blocks = (batch_size + per_block - 1) / per_block;
+    LaunchKernel(static_cast<uint32_t>(blocks), static_cast<uint32_t>(per_block * Layout::kLanes), device.unwrap())
         .enable_pdl(kUsePDL)(kDecodeKernel, params);
   }
 
@@ -579,6 +655,7 @@ struct C128Online {
         .load_indices = data_ptr<const int32_t>(load_from),
         .plan = nullptr,
         .num_rows = 0,
+        .num_split_rows = 0,
         .num_tokens = static_cast<uint32_t>(N.unwrap()),
         .batch_size = static_cast<uint32_t>(B.unwrap()),
         .num_slots = num_slots,
@@ -600,23 +677,26 @@ struct C128Online {
   /// read whole 256-byte runs per token, but give a pass of few rows few
   /// items, each a long chain of dependent loads. Narrow slices split each
   /// segment over 4x the warps and 4x the token lanes. The wide form runs
-  /// whenever its items could fill at least half the resident warps. A
-  /// request has at most one write row, so a write pass has at most
-  /// batch_size live rows however far a CUDA-graph plan is padded.
+  /// whenever its items could fill at least half the resident warps.
   template <bool kWritePass>
-  static void launch_pass(const PrefillParams& params, DLDevice device) {
+  static void launch_pass(PrefillParams params, DLDevice device) {
     if (params.num_rows == 0) return;
+    // A request has at most one write row, and a compress row per chunk its
+    // tokens close, so however far a CUDA-graph plan is padded a planned
+    // pass has no more live rows than this, and all of them come first.
+    const int64_t max_live_rows = kWritePass ? int64_t{params.batch_size}
+                                             : int64_t{params.num_tokens} / kChunk + params.batch_size;
+    params.num_split_rows = static_cast<uint32_t>(std::min<int64_t>(params.num_rows, max_live_rows));
     constexpr auto kWide = c128_prefill_kernel<kHeadDim, kWideSliceDim, kWritePass, kUsePDL>;
     using Wide = PrefillLayout<kHeadDim, kWideSliceDim>;
-    const int64_t wide_warps = host::runtime::resident_blocks<kWide>(device.device_id, Wide::kThreads) * Wide::kWarps;
+    const int64_t wide_warps = resident_blocks<kWide, Wide>(device) * Wide::kWarps;
     constexpr auto kNarrow = c128_prefill_kernel<kHeadDim, kNarrowSliceDim, kWritePass, kUsePDL>;
     using Narrow = PrefillLayout<kHeadDim, kNarrowSliceDim>;
-    const int64_t live_rows = kWritePass ? std::min(params.num_rows, params.batch_size) : params.num_rows;
-    const int64_t narrow_warps =
-        host::runtime::resident_blocks<kNarrow>(device.device_id, Narrow::kThreads) * Narrow::kWarps;
+    const int64_t narrow_warps = resident_blocks<kNarrow, Narrow>(device) * Narrow::kWarps;
     // Every warp decodes 32 items per round, padding rows included.
-    const int64_t narrow_scan_rounds = static_cast<int64_t>(params.num_rows) * Narrow::kSlices / (narrow_warps * 32);
-    if (live_rows * Wide::kSlices * 2 >= wide_warps || narrow_scan_rounds > kMaxNarrowScanRounds) {
+    const auto narrow_scan_rounds = static_cast<int64_t>(pass_items(params, Narrow::kSlices) / (narrow_warps * 32));
+    if (int64_t{params.num_split_rows} * Wide::kSlices * 2 >= wide_warps ||
+        narrow_scan_rounds > kMaxNarrowScanRounds) {
       launch_grid<kWide, Wide>(params, device);
     } else {
       launch_grid<kNarrow, Narrow>(params, device);
@@ -627,11 +707,19 @@ struct C128Online {
   static void launch_grid(const PrefillParams& params, DLDevice device) {
     // One warp per item up to a full GPU; beyond that warps loop (a grid of
     // mostly-idle blocks would only cost launch and scheduling time).
-    const int64_t num_items = static_cast<int64_t>(params.num_rows) * Layout::kSlices;
-    const int64_t max_blocks = host::runtime::resident_blocks<kKernel>(device.device_id, Layout::kThreads);
+    const auto num_items = static_cast<int64_t>(pass_items(params, Layout::kSlices));
+    const int64_t max_blocks = resident_blocks<kKernel, Layout>(device);
     const int64_t wanted = (num_items + Layout::kWarps - 1) / Layout::kWarps;
     const auto blocks = static_cast<uint32_t>(std::min(wanted, max_blocks));
-    host::LaunchKernel(blocks, Layout::kThreads, device).enable_pdl(kUsePDL)(kKernel, params);
+    host::LaunchKernel(blocks, Layout::kThreads, device, Layout::kRingBytes).enable_pdl(kUsePDL)(kKernel, params);
+  }
+
+  /// \brief Blocks of a prefill kernel that fit on the GPU at once, with
+  /// their token rings.
+  template <auto kKernel, class Layout>
+  static int64_t resident_blocks(DLDevice device) {
+    host::runtime::allow_dynamic_smem<kKernel>(device.device_id, Layout::kRingBytes);
+    return host::runtime::resident_blocks<kKernel>(device.device_id, Layout::kThreads, Layout::kRingBytes);
   }
 };
 

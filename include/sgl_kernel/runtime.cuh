@@ -23,6 +23,22 @@ inline int multiprocessor_count(int device_id) {
   return count;
 }
 
+/// \brief Lets `kKernel` launch on `device_id` with up to `bytes` of dynamic
+/// shared memory (more than 48 KiB needs this opt-in) and prefers the
+/// largest shared-memory carveout. Cached per kernel: call it with one size.
+template <auto kKernel>
+inline void allow_dynamic_smem(int device_id, size_t bytes) {
+  static std::array<std::atomic<bool>, kMaxDevices> done{};
+  RuntimeCheck(device_id >= 0 && device_id < kMaxDevices, "CUDA device id ", device_id, " out of range");
+  if (done[device_id].load(std::memory_order_relaxed)) return;
+  tvm::ffi::CUDADeviceGuard guard(device_id);
+  CheckCuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)),
+            "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  CheckCuda(cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
+            "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)");
+  done[device_id].store(true, std::memory_order_relaxed);
+}
+
 /// \brief How many blocks of `kernel` (with `block_threads` threads) fit on
 /// all multiprocessors of `device_id` at once. One cache per kernel.
 template <auto kKernel>

@@ -22,11 +22,6 @@ class Memory {
     v.load(ptr, index(i));
     return v;
   }
-  SGL_DEVICE Vec load_streaming(const void* ptr, int64_t i = 0) const {
-    Vec v;
-    v.load_streaming(ptr, index(i));
-    return v;
-  }
   SGL_DEVICE void store(void* ptr, const Vec& v, int64_t i = 0) const { v.store(ptr, index(i)); }
 
  private:

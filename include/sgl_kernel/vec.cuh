@@ -21,21 +21,6 @@ struct alignas(sizeof(T) * N) AlignedVector {
   /// \brief Stores into vector `i` of `ptr`.
   SGL_DEVICE void store(void* ptr, int64_t i = 0) const { reinterpret_cast<AlignedVector*>(ptr)[i] = *this; }
 
-  /// \brief A load for data read exactly once: marked evict-first so it does
-  /// not push reused data (weights, states) out of the caches.
-  SGL_DEVICE void load_streaming(const void* ptr, int64_t i = 0) {
-    const auto* src = reinterpret_cast<const AlignedVector*>(ptr) + i;
-    if constexpr (sizeof(AlignedVector) == 16) {
-      const auto v = __ldcs(reinterpret_cast<const int4*>(src));
-      *this = *reinterpret_cast<const AlignedVector*>(&v);
-    } else if constexpr (sizeof(AlignedVector) == 8) {
-      const auto v = __ldcs(reinterpret_cast<const int2*>(src));
-      *this = *reinterpret_cast<const AlignedVector*>(&v);
-    } else {
-      *this = *src;
-    }
-  }
-
   SGL_DEVICE void fill(T value) {
 #pragma unroll
     for (uint32_t k = 0; k < N; ++k) data[k] = value;
