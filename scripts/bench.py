@@ -4,7 +4,10 @@
                             [--reference ../shared/seed/c128_online.cuh.txt]
 
 Times are CUDA-event medians; decode at small batch is timed as CUDA-graph
-replays of many launches (launch gaps would dominate otherwise). "% of copy"
+replays of many launches (launch gaps would dominate otherwise). Prefill
+rows time one call between events, which includes the host's call and launch
+latency (~7 us on an H200 host); its "in graph" rows replay a graph of 10
+calls and give the kernels' own time. "% of copy"
 is the bytes that must cross HBM once (inputs read, outputs and states
 written, prior states read) over the time, divided by the rate of a large
 device-to-device copy measured in the same run (bytes read plus written).
@@ -188,6 +191,9 @@ def run(args) -> list[Row]:
 
             add(f"prefill {name}", impl, median_ms(lambda: call(own_exact)), bytes_moved)
             add(f"prefill {name}", f"{impl} graph-plan", median_ms(lambda: call(own_padded)), bytes_moved)
+            # The kernels alone: a single call's events also hold its host and launch latency.
+            add(f"prefill {name}", f"{impl} in graph", graph_median_ms(lambda: call(own_exact), launches=10, iters=20),
+                bytes_moved)
         if not random_prefix and not args.skip_torch:
             out_rows = torch.empty(batch * extend // CHUNK, head_dim, device="cuda")
             add(f"prefill {name}", "torch eager",

@@ -1,0 +1,127 @@
+"""Time edited copies of the kernel header against the tree (and the reference design) in one process.
+
+    python scripts/bench_variants.py [--reference SEED] [--rounds 5] [--decode-only] NAME=PATH ...
+
+Each NAME=PATH is a variant of ``csrc/deepseek_v4/c128_online.cuh`` (e.g. the
+committed file, or one with a constant changed); it is built as its own JIT
+variant beside the tree's other kernel files, against the tree's
+``include/``. Every implementation runs the bench.py
+cases on the same tensors, in rounds that visit every implementation in turn,
+so that drifts of clock and temperature hit all of them alike; the table shows
+the median and the minimum over rounds (us). Prefill cases are timed three
+ways: one call with exact plans between events, the same in a CUDA graph of 10
+calls (kernels alone), and with ``use_cuda_graph`` plans. This is how the
+sweeps of docs/PERFORMANCE.md were measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import statistics
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench  # noqa: E402
+import flash_compress  # noqa: E402
+from flash_compress import jit  # noqa: E402
+from flash_compress.c128_online import spec  # noqa: E402
+
+KERNEL_DIR = ROOT / "csrc" / "deepseek_v4"
+PREFILL_CASES = [("1x32768", 1, 32768, False), ("8x16384", 8, 16384, False),
+                 ("64x1024", 64, 1024, True), ("256x300", 256, 300, True)]
+DECODE_BATCHES = [1, 64, 512, 32768]
+
+
+def load_variant(name: str, header: Path, head_dim: int, source_root: Path):
+    """The module built from `header` in place of the tree's c128_online.cuh."""
+    folder = source_root / name / "deepseek_v4"
+    folder.mkdir(parents=True)
+    for other in KERNEL_DIR.iterdir():
+        shutil.copy(other, folder / other.name)
+    shutil.copy(header, folder / "c128_online.cuh")
+    tree = spec(head_dim, True)
+    return jit.load(dataclasses.replace(tree, name=f"{tree.name}_variant_{name}",
+                                        include_dirs=(folder.parent, *tree.include_dirs[1:])))
+
+
+def parse_variant(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name.isidentifier() or not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH to a kernel header, got {text!r}")
+    return name, Path(path)
+
+
+def cases(impls: dict, head_dim: int, decode_only: bool) -> dict[str, dict[str, tuple]]:
+    """case -> impl -> (call, timed in a graph, launches per graph)."""
+    out: dict[str, dict[str, tuple]] = {}
+    gen = torch.Generator().manual_seed(0)
+    tree = next(iter(impls.values()))
+    for name, batch, extend, random_prefix in ([] if decode_only else PREFILL_CASES):
+        d, _, _, _ = bench.prefill_case(tree, head_dim, batch, extend, random_prefix, gen)
+        for impl, m in impls.items():
+            exact = bench.plan(m, [extend] * batch, d["seq_lens"], False)
+            padded = bench.plan(m, [extend] * batch, d["seq_lens"], True)
+
+            def call(plans, m=m, d=d):
+                m.run_prefill(d["state"], d["input"], d["out"], d["ape"], d["indices"], *plans, None)
+
+            out.setdefault(f"prefill {name}", {})[impl] = (lambda c=call, p=exact: c(p), False, 0)
+            out.setdefault(f"prefill {name} in graph", {})[impl] = (lambda c=call, p=exact: c(p), True, 10)
+            out.setdefault(f"prefill {name} graph-plan", {})[impl] = (lambda c=call, p=padded: c(p), False, 0)
+    for batch in DECODE_BATCHES:
+        args = (torch.randn(batch, 1, 3 * head_dim, device="cuda"), torch.randn(batch, 2 * head_dim, device="cuda"),
+                torch.empty(batch, head_dim, device="cuda"), torch.randn(bench.CHUNK, head_dim, device="cuda"),
+                torch.randperm(batch, dtype=torch.int32).cuda(),
+                torch.randint(2, 100000, (batch,), dtype=torch.int32).cuda())
+        for impl, m in impls.items():
+            out.setdefault(f"decode B={batch}", {})[impl] = (lambda m=m, a=args: m.run_decode(*a, None), batch <= 4096,
+                                                             100)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variants", nargs="*", type=parse_variant, metavar="NAME=PATH")
+    parser.add_argument("--head-dim", type=int, default=512)
+    parser.add_argument("--reference", default=None, metavar="SEED", help="also time the reference design")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--decode-only", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_variants.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    loaders = {"tree": lambda: flash_compress.load_module(args.head_dim, use_pdl=True)}
+    with tempfile.TemporaryDirectory(prefix="flash-compress-variants-") as source_root:
+        for name, header in args.variants:
+            loaders[name] = lambda n=name, h=header: load_variant(n, h, args.head_dim, Path(source_root))
+        if args.reference:
+            from reference_design import load_reference
+
+            loaders["reference"] = lambda: load_reference(args.reference, args.head_dim)
+        with ThreadPoolExecutor() as pool:  # the builds are nvcc processes: run them side by side
+            futures = {name: pool.submit(load) for name, load in loaders.items()}
+            impls = {name: future.result() for name, future in futures.items()}
+    timed = cases(impls, args.head_dim, args.decode_only)
+    timings: dict[str, dict[str, list[float]]] = {}
+    for _ in range(args.rounds):
+        for case, per_impl in timed.items():
+            for impl, (call, in_graph, launches) in per_impl.items():
+                ms = bench.graph_median_ms(call, launches=launches, iters=20) if in_graph else bench.median_ms(call)
+                timings.setdefault(case, {}).setdefault(impl, []).append(ms * 1e3)
+    print(f"{'case':28} " + " ".join(f"{name:>18}" for name in impls))
+    for case, per_impl in timings.items():
+        print(f"{case:28} " + " ".join(f"{statistics.median(v):9.2f} ({min(v):6.2f})" for v in per_impl.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
