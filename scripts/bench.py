@@ -6,9 +6,9 @@
 Times are CUDA-event medians; decode at small batch is timed as CUDA-graph
 replays of many launches (launch gaps would dominate otherwise). Prefill
 rows time one call between events, which includes the host's call and launch
-latency (~7 us on an H200 host); its "in graph" rows replay a graph of 10
-calls and give the kernels' own time. "% of copy"
-is the bytes that must cross HBM once (inputs read, outputs and states
+latency (6.6 to 10.9 us per call in docs/PERFORMANCE.md's run); the "in graph"
+rows replay a graph of 10 calls and give the kernels' own time. "% of copy" is
+the bytes that must cross HBM once (inputs read, outputs and states
 written, prior states read) over the time, divided by the rate of a large
 device-to-device copy measured in the same run (bytes read plus written).
 With ``--reference``, the reference design (``scripts/reference_design.py``)
@@ -148,6 +148,29 @@ def prefill_case(module, head_dim, batch, extend, random_prefix, gen):
     return data, exact, padded, bytes_moved
 
 
+def decode_case(head_dim, batch, device="cuda"):
+    """One decode step of `batch` requests at random positions in random slots: the run_decode
+    arguments (extra left out) and the bytes that must cross HBM."""
+    state = torch.randn(batch, 1, 3 * head_dim, device=device)
+    tokens = torch.randn(batch, 2 * head_dim, device=device)
+    out = torch.empty(batch, head_dim, device=device)
+    ape = torch.randn(CHUNK, head_dim, device=device)
+    indices = torch.randperm(batch, dtype=torch.int32).to(device)
+    seq_lens = torch.randint(2, 100000, (batch,), dtype=torch.int32).to(device)
+    pos = (seq_lens.long() - 1) % CHUNK
+    state_reads = int((pos != 0).sum())
+    closing = int((pos == CHUNK - 1).sum())
+    # Every input row; the state of every request not at a chunk start; a
+    # state written back, or for a closing chunk its output row instead.
+    bytes_moved = 4 * head_dim * (2 * batch + 3 * state_reads + 3 * (batch - closing) + closing)
+    return (state, tokens, out, ape, indices, seq_lens), bytes_moved
+
+
+PREFILL_CASES = [("1x32768 from 0", 1, 32768, False), ("8x16384 from 0", 8, 16384, False),
+                 ("64x1024 random prefix", 64, 1024, True), ("256x300 random prefix", 256, 300, True)]
+DECODE_BATCHES = [1, 64, 512, 32768]
+
+
 def implementations(args) -> list[tuple[str, object]]:
     """(name, module) of each implementation to time; ours first."""
     impls = [("flash_compress", flash_compress.load_module(args.head_dim))]
@@ -172,10 +195,7 @@ def run(args) -> list[Row]:
         gbps = bytes_moved / (ms * 1e-3) / 1e9
         rows.append(Row(case, impl, ms * 1e3, gbps, 100 * gbps / ceiling))
 
-    prefill_cases = [("1x32768 from 0", 1, 32768, False), ("8x16384 from 0", 8, 16384, False),
-                     ("64x1024 random prefix", 64, 1024, True), ("256x300 random prefix", 256, 300, True)]
-    if args.quick:
-        prefill_cases = prefill_cases[:1] + prefill_cases[2:3]
+    prefill_cases = PREFILL_CASES if not args.quick else PREFILL_CASES[:1] + PREFILL_CASES[2:3]
     for name, batch, extend, random_prefix in prefill_cases:
         data, exact, padded, bytes_moved = prefill_case(module, head_dim, batch, extend, random_prefix, gen)
         d = data
@@ -203,30 +223,18 @@ def run(args) -> list[Row]:
                 median_ms(lambda: compiled(d["input"], d["ape"], out_rows), iters=20, warmup=3), bytes_moved)
         del data
 
-    decode_batches = [1, 64, 512, 32768] if not args.quick else [1, 32768]
+    decode_batches = DECODE_BATCHES if not args.quick else [1, 32768]
     for batch in decode_batches:
-        slots = batch
-        state = torch.randn(slots, 1, 3 * head_dim, device="cuda")
-        tokens = torch.randn(batch, 2 * head_dim, device="cuda")
-        out = torch.empty(batch, head_dim, device="cuda")
-        ape = torch.randn(CHUNK, head_dim, device="cuda")
-        indices = torch.randperm(slots, dtype=torch.int32).cuda()
-        seq_lens = torch.randint(2, 100000, (batch,), dtype=torch.int32).cuda()
-        pos = (seq_lens.long() - 1) % CHUNK
-        state_reads = int((pos != 0).sum())
-        closing = int((pos == CHUNK - 1).sum())
-        # Every input row; the state of every request not at a chunk start; a
-        # state written back, or for a closing chunk its output row instead.
-        bytes_moved = 4 * head_dim * (2 * batch + 3 * state_reads + 3 * (batch - closing) + closing)
+        decode_args, bytes_moved = decode_case(head_dim, batch)
 
         def eager():
-            torch_decode(state, tokens, out, ape, indices, seq_lens)
+            torch_decode(*decode_args)
 
         in_graph = batch <= 4096
         case = f"decode B={batch}" + (" (graph)" if in_graph else "")
         for impl, impl_module in impls:
             def call(m=impl_module):
-                m.run_decode(state, tokens, out, ape, indices, seq_lens, None)
+                m.run_decode(*decode_args, None)
 
             add(case, impl, graph_median_ms(call) if in_graph else median_ms(call), bytes_moved)
         if not args.skip_torch:

@@ -36,9 +36,6 @@ from flash_compress import jit  # noqa: E402
 from flash_compress.c128_online import spec  # noqa: E402
 
 KERNEL_DIR = ROOT / "csrc" / "deepseek_v4"
-PREFILL_CASES = [("1x32768", 1, 32768, False), ("8x16384", 8, 16384, False),
-                 ("64x1024", 64, 1024, True), ("256x300", 256, 300, True)]
-DECODE_BATCHES = [1, 64, 512, 32768]
 
 
 def load_variant(name: str, header: Path, head_dim: int, source_root: Path):
@@ -65,7 +62,7 @@ def cases(impls: dict, head_dim: int, decode_only: bool) -> dict[str, dict[str, 
     out: dict[str, dict[str, tuple]] = {}
     gen = torch.Generator().manual_seed(0)
     tree = next(iter(impls.values()))
-    for name, batch, extend, random_prefix in ([] if decode_only else PREFILL_CASES):
+    for name, batch, extend, random_prefix in ([] if decode_only else bench.PREFILL_CASES):
         d, _, _, _ = bench.prefill_case(tree, head_dim, batch, extend, random_prefix, gen)
         for impl, m in impls.items():
             exact = bench.plan(m, [extend] * batch, d["seq_lens"], False)
@@ -77,11 +74,8 @@ def cases(impls: dict, head_dim: int, decode_only: bool) -> dict[str, dict[str, 
             out.setdefault(f"prefill {name}", {})[impl] = (lambda c=call, p=exact: c(p), False, 0)
             out.setdefault(f"prefill {name} in graph", {})[impl] = (lambda c=call, p=exact: c(p), True, 10)
             out.setdefault(f"prefill {name} graph-plan", {})[impl] = (lambda c=call, p=padded: c(p), False, 0)
-    for batch in DECODE_BATCHES:
-        args = (torch.randn(batch, 1, 3 * head_dim, device="cuda"), torch.randn(batch, 2 * head_dim, device="cuda"),
-                torch.empty(batch, head_dim, device="cuda"), torch.randn(bench.CHUNK, head_dim, device="cuda"),
-                torch.randperm(batch, dtype=torch.int32).cuda(),
-                torch.randint(2, 100000, (batch,), dtype=torch.int32).cuda())
+    for batch in bench.DECODE_BATCHES:
+        args, _ = bench.decode_case(head_dim, batch)
         for impl, m in impls.items():
             out.setdefault(f"decode B={batch}", {})[impl] = (lambda m=m, a=args: m.run_decode(*a, None), batch <= 4096,
                                                              100)
@@ -117,9 +111,9 @@ def main() -> int:
             for impl, (call, in_graph, launches) in per_impl.items():
                 ms = bench.graph_median_ms(call, launches=launches, iters=20) if in_graph else bench.median_ms(call)
                 timings.setdefault(case, {}).setdefault(impl, []).append(ms * 1e3)
-    print(f"{'case':28} " + " ".join(f"{name:>18}" for name in impls))
+    print(f"{'case':42} " + " ".join(f"{name:>18}" for name in impls))
     for case, per_impl in timings.items():
-        print(f"{case:28} " + " ".join(f"{statistics.median(v):9.2f} ({min(v):6.2f})" for v in per_impl.values()))
+        print(f"{case:42} " + " ".join(f"{statistics.median(v):9.2f} ({min(v):6.2f})" for v in per_impl.values()))
     return 0
 
 
