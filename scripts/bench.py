@@ -237,6 +237,8 @@ def run(args) -> list[Row]:
                 m.run_decode(*decode_args, None)
 
             add(case, impl, graph_median_ms(call) if in_graph else median_ms(call), bytes_moved)
+            if not in_graph:  # the kernel alone, as the prefill rows' "in graph"
+                add(case, f"{impl} in graph", graph_median_ms(call, launches=10, iters=20), bytes_moved)
         if not args.skip_torch:
             add(case, "torch eager", graph_median_ms(eager, launches=10) if in_graph else median_ms(eager, iters=20),
                 bytes_moved)

@@ -293,7 +293,10 @@ struct PrefillLayout {
   static constexpr uint32_t kLanes = kSliceDim / kVecWidth;            // lanes per token of a slice
   static_assert(kLanes <= device::kWarpThreads && device::kWarpThreads % kLanes == 0);
   static constexpr uint32_t kTokenLanes = device::kWarpThreads / kLanes;  // tokens a warp reads at once
-  static constexpr uint32_t kThreads = 256;
+  /// Small blocks: a warp runs its own items, so a block holds its SM's
+  /// registers until its slowest warp is done. Two warps per block hand them
+  /// to the next pass (or call) almost as soon as each pair finishes.
+  static constexpr uint32_t kThreads = 64;
   static constexpr uint32_t kWarps = kThreads / device::kWarpThreads;
   /// Tokens a lane computes on at once (a round).
   static constexpr uint32_t kBatch = 4;
@@ -304,8 +307,8 @@ struct PrefillLayout {
   /// Dynamic shared memory of a block: every thread's ring of kStages
   /// rounds of kBatch (kv, score) vectors.
   static constexpr uint32_t kRingBytes = kStages * kBatch * 2 * sizeof(Vec) * kThreads;
-  /// Keeps registers at or under 128, so two blocks (16 warps) fit per SM.
-  static constexpr uint32_t kMinBlocksPerSM = 2;
+  /// Keeps registers at or under 128, so that 16 warps fit per SM.
+  static constexpr uint32_t kMinBlocksPerSM = 16 / kWarps;
 };
 
 /// Slice widths a pass may run with, widest first.
