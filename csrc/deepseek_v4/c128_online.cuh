@@ -692,26 +692,27 @@ struct C128Online {
     params.num_split_rows = static_cast<uint32_t>(std::min<int64_t>(params.num_rows, max_live_rows));
     constexpr auto kWide = c128_prefill_kernel<kHeadDim, kWideSliceDim, kWritePass, kUsePDL>;
     using Wide = PrefillLayout<kHeadDim, kWideSliceDim>;
-    const int64_t wide_warps = resident_blocks<kWide, Wide>(device) * Wide::kWarps;
+    const int64_t wide_blocks = resident_blocks<kWide, Wide>(device);
+    const int64_t wide_warps = wide_blocks * Wide::kWarps;
     constexpr auto kNarrow = c128_prefill_kernel<kHeadDim, kNarrowSliceDim, kWritePass, kUsePDL>;
     using Narrow = PrefillLayout<kHeadDim, kNarrowSliceDim>;
-    const int64_t narrow_warps = resident_blocks<kNarrow, Narrow>(device) * Narrow::kWarps;
+    const int64_t narrow_blocks = resident_blocks<kNarrow, Narrow>(device);
+    const int64_t narrow_warps = narrow_blocks * Narrow::kWarps;
     // Every warp decodes 32 items per round, padding rows included.
     const auto narrow_scan_rounds = static_cast<int64_t>(pass_items(params, Narrow::kSlices) / (narrow_warps * 32));
     if (int64_t{params.num_split_rows} * Wide::kSlices * 2 >= wide_warps ||
         narrow_scan_rounds > kMaxNarrowScanRounds) {
-      launch_grid<kWide, Wide>(params, device);
+      launch_grid<kWide, Wide>(params, device, wide_blocks);
     } else {
-      launch_grid<kNarrow, Narrow>(params, device);
+      launch_grid<kNarrow, Narrow>(params, device, narrow_blocks);
     }
   }
 
   template <auto kKernel, class Layout>
-  static void launch_grid(const PrefillParams& params, DLDevice device) {
+  static void launch_grid(const PrefillParams& params, DLDevice device, int64_t max_blocks) {
     // One warp per item up to a full GPU; beyond that warps loop (a grid of
     // mostly-idle blocks would only cost launch and scheduling time).
     const auto num_items = static_cast<int64_t>(pass_items(params, Layout::kSlices));
-    const int64_t max_blocks = resident_blocks<kKernel, Layout>(device);
     const int64_t wanted = (num_items + Layout::kWarps - 1) / Layout::kWarps;
     const auto blocks = static_cast<uint32_t>(std::min(wanted, max_blocks));
     host::LaunchKernel(blocks, Layout::kThreads, device, Layout::kRingBytes).enable_pdl(kUsePDL)(kKernel, params);
