@@ -30,9 +30,10 @@ except ImportError:  # run from a checkout without installing
 CHUNK = 128
 
 
-def per_call_us(call: Callable[[], object], calls: int, repeats: int) -> float:
-    """Median over ``repeats`` samples of the wall time of ``calls`` calls, per call, in microseconds."""
-    for _ in range(calls):  # warm up: the variant is loaded, caches are hot
+def per_call_us(call: Callable[[], object], calls: int, repeats: int, warmup: int | None = None) -> float:
+    """Median over ``repeats`` samples of the wall time of ``calls`` calls, per call, in microseconds,
+    after ``warmup`` calls (default ``calls``)."""
+    for _ in range(calls if warmup is None else warmup):  # warm up: the variant is loaded, caches are hot
         call()
     torch.cuda.synchronize()
     samples = []
