@@ -8,10 +8,10 @@ replays of many launches (launch gaps would dominate otherwise). Prefill
 rows time one call between events, which includes the host's call and launch
 latency (8.0 to 10.7 us per call in docs/PERFORMANCE.md's run); the "in graph"
 rows (prefill, and decode at large batch) replay a graph of 10 calls and give
-the kernels' own time. "% of copy" is
-the bytes that must cross HBM once (inputs read, outputs and states
-written, prior states read) over the time, divided by the rate of a large
-device-to-device copy measured in the same run (bytes read plus written).
+the kernels' own time. "% of copy" is the bytes that must cross HBM once
+(inputs read, outputs and states written, prior states read) over the time,
+divided by the rate of a large device-to-device copy measured in the same run
+(bytes read plus written).
 With ``--reference``, the reference design (``scripts/reference_design.py``)
 runs the same cases on the same data in the same run, planned by its own
 planner.
