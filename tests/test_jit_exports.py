@@ -1,82 +1,60 @@
-"""JitSpec exports with overloads: one export name, several C++ functions told apart by argument count.
+"""Exports and tvm-ffi: one export name per C++ signature, and only public tvm-ffi API anywhere.
 
 The unit tests need no compiler; the last test builds a tiny host-only module with nvcc (no GPU).
 """
 
 from __future__ import annotations
 
-import pickle
+import re
 from pathlib import Path
 
 import pytest
 
 from flash_compress import jit
-from flash_compress.jit import JitSpec, config
-from flash_compress.jit.toolchain import find_cuda_toolkit
+from flash_compress.c128_online import planner_spec, spec
+from flash_compress.jit import JitSpec
+from flash_compress.jit.toolchain import find_nvcc
 
-DATA = Path(__file__).resolve().parent / "data" / "jit_overloads"
+REPO = Path(__file__).resolve().parents[1]
+TINY = Path(__file__).resolve().parent / "data" / "jit_tiny"
 
-
-def overload_spec(**overrides) -> JitSpec:
-    fields = dict(
-        name="jit_overloads",
-        headers=("overloads/overloads.h",),
-        exports={
-            "scale": ("jit_overloads::scale_default", "jit_overloads::scale"),
-            "plain": "jit_overloads::plain",
-        },
-        include_dirs=(DATA,),
-        extra_cuda_cflags=("-std=c++20", "-O1"),
-    )
-    fields.update(overrides)
-    return JitSpec(**fields)
+# tvm-ffi's private names: its C++ detail namespace, a `_`-prefixed module member, a patched build function.
+PRIVATE_TVM_FFI = re.compile(r"ffi::details?::|tvm_ffi(?:\.\w+)*\._(?!_)\w+|extension\.build_ninja|_find_cuda_home")
 
 
-def test_overloads_are_normalised_to_a_tuple_and_the_spec_stays_hashable():
-    spec = overload_spec(exports={"scale": [" jit_overloads::scale_default ", "jit_overloads::scale"]})
-    assert spec.exports["scale"] == ("jit_overloads::scale_default", "jit_overloads::scale")
-    same = overload_spec(exports={"scale": ("jit_overloads::scale_default", "jit_overloads::scale")})
-    assert spec == same and hash(spec) == hash(same)
-    assert pickle.loads(pickle.dumps(spec)) == spec
-
-
-def test_overloaded_export_defines_the_symbol_tvm_ffi_looks_up():
-    text = overload_spec().translation_unit()
-    assert "TVM_FFI_DLL_EXPORT int __tvm_ffi_scale(" in text
-    call = "call_by_arity(&name, args, num_args, result, (jit_overloads::scale_default), (jit_overloads::scale));"
-    assert call in text
-    assert "distinct(" in text  # equal arities are a compile error, not a silent shadowing
-    # Single exports keep the tvm-ffi macro, so their units are unchanged.
-    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(plain, (jit_overloads::plain));" in text
-
-
-def test_units_without_overloads_carry_no_dispatch_helper():
-    text = overload_spec(exports={"plain": "jit_overloads::plain"}).translation_unit()
-    assert "call_by_arity" not in text and "flash_compress_jit" not in text
-
-
-@pytest.mark.parametrize("bad", [(), ("only_one",), ("f", ""), ("f", "g\nh"), ("f", 3), 7])
-def test_malformed_overloads_are_rejected(bad):
+@pytest.mark.parametrize("bad", [("f", "g"), ["f"], 7, "", "f\ng"])
+def test_an_export_is_one_expression(bad):
     with pytest.raises((ValueError, TypeError)):
-        overload_spec(exports={"scale": bad})
+        JitSpec(name="x", headers=("x.h",), exports={"f": bad})
+
+
+def test_every_export_uses_the_public_macro():
+    for variant in (spec(512, True), planner_spec(False)):
+        text = variant.translation_unit()
+        assert text.count("TVM_FFI_DLL_EXPORT_TYPED_FUNC(") == len(variant.exports)
+        assert not PRIVATE_TVM_FFI.search(text)
+    assert set(spec(128, False).exports) == {"run_decode", "run_prefill", "plan_online_prefill",
+                                             "plan_online_prefill_counted"}
+    assert set(planner_spec(True).exports) == {"plan_online_prefill", "plan_online_prefill_counted"}
+
+
+def test_no_private_tvm_ffi_name_in_the_tree():
+    offenders = []
+    for folder in ("python", "csrc", "include", "scripts", "tests"):
+        for path in (REPO / folder).rglob("*"):
+            if path.suffix in (".py", ".cuh", ".h", ".cu", ".cc") and path != Path(__file__).resolve():
+                offenders += [f"{path.relative_to(REPO)}: {m.group(0)}" for m in PRIVATE_TVM_FFI.finditer(path.read_text())]
+    assert not offenders, offenders
 
 
 @pytest.mark.nvcc
-@pytest.mark.skipif(find_cuda_toolkit() is None, reason="no CUDA toolkit found")
-def test_overloaded_export_dispatches_on_argument_count(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASH_COMPRESS_CUDA_ARCH_LIST", "9.0")
-    config.reset()
-    try:
-        module = jit.load(overload_spec(), arch_list=("9.0",), cache_dir=tmp_path / "cache")
-    finally:
-        config.reset()
-    assert module.scale(3) == 30
-    assert module.scale(3, 2) == 6
-    assert module.scale(3, None) == 30
-    assert module.plain(3) == 4
-    with pytest.raises(TypeError, match="expected 1 or 2 but got 0"):
-        module.scale()
-    with pytest.raises(TypeError, match="expected 1 or 2 but got 3"):
-        module.scale(1, 2, 3)
-    with pytest.raises(TypeError, match="Mismatched type on argument #1"):
-        module.scale(1, "x")
+@pytest.mark.skipif(find_nvcc() is None, reason="no nvcc found")
+def test_a_built_module_exposes_exactly_its_exports(tmp_path):
+    tiny = JitSpec(name="jit_tiny_exports", headers=("tiny/tiny.cuh",), include_dirs=(TINY,),
+                   exports={"add_value": "jit_tiny::add_value", "has_kernel": "jit_tiny::has_kernel"})
+    module = jit.load(tiny, arch_list=("9.0",), cache_dir=tmp_path / "cache")
+    assert module.add_value(41) == 42 and module.has_kernel() is True
+    with pytest.raises(TypeError, match="Expected 1 but got 2"):
+        module.add_value(1, 2)
+    with pytest.raises(AttributeError):
+        module.not_exported  # noqa: B018

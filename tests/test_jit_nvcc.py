@@ -23,12 +23,12 @@ import pytest
 from flash_compress import jit
 from flash_compress.jit import JitBuildError, JitDisabledError, JitSpec, cli, config
 from flash_compress.jit.cache import MANIFEST, verify_entry
-from flash_compress.jit.toolchain import find_cuda_toolkit
+from flash_compress.jit.toolchain import find_nvcc
 
 pytestmark = [
     pytest.mark.nvcc,
-    pytest.mark.skipif(find_cuda_toolkit() is None,
-                       reason="no CUDA toolkit found ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda, nvcc on PATH)"),
+    pytest.mark.skipif(find_nvcc() is None,
+                       reason="no nvcc found ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda, nvcc on PATH)"),
 ]
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -133,7 +133,10 @@ def test_cold_build_publishes_a_complete_entry_and_a_fresh_process_hits(warm_cac
     manifest = json.loads((entry / MANIFEST).read_text())
     assert manifest["name"] == "jit_tiny" and manifest["arch_list"] == ["9.0"]
     assert "release" in manifest["nvcc_version"] and manifest["tvm_ffi_version"]
-    assert manifest["flags"]["extra_cuda_cflags"] == ["-O1"]
+    assert manifest["extra_cuda_cflags"] == ["-O1"]
+    import tvm_ffi
+
+    assert manifest["tvm_ffi_version"] == tvm_ffi.__version__  # a .so built against one release keys apart
     assert manifest["size"] == (entry / "jit_tiny.so").stat().st_size and manifest["build_seconds"] > 0
     assert "nvcc" in manifest["command"] and "sm_90" in manifest["command"]
     assert (entry / "build.log").is_file() and not list(entry.glob("*.o"))
@@ -301,11 +304,11 @@ def test_no_toolkit_loads_a_matching_prebuilt_entry_or_raises(warm_cache, tmp_pa
     from flash_compress.jit import loader
 
     cache = copy_cache(warm_cache, tmp_path / "cache")
-    monkeypatch.setattr(loader, "find_cuda_toolkit", lambda: None)
+    monkeypatch.setattr(loader, "find_nvcc", lambda: None)
     outcome = jit.ensure_built(tiny_spec(), cache_dir=cache)
     assert outcome.status == "cached" and outcome.portable
     assert jit.load(tiny_spec(), cache_dir=cache).add_value(2) == 3
-    with pytest.raises(JitDisabledError, match="no CUDA toolkit"):
+    with pytest.raises(JitDisabledError, match="no CUDA compiler"):
         jit.ensure_built(tiny_spec(), arch_list=("10.0",), cache_dir=cache)
 
 
@@ -362,10 +365,10 @@ def test_a_cached_library_that_fails_to_load_is_rebuilt_once(warm_cache, tmp_pat
 def test_waiting_for_a_held_lock_times_out_clearly(tmp_path):
     from filelock import FileLock
 
-    from flash_compress.jit.fingerprint import folder_name, key_inputs
+    from flash_compress.jit.cache import folder_name, key_inputs
 
     cache = tmp_path / "cache"
-    inputs = key_inputs(tiny_spec(), ARCH, find_cuda_toolkit(), cache)
+    inputs = key_inputs(tiny_spec(), ARCH, find_nvcc(), cache)
     folder = folder_name("jit_tiny", ARCH, inputs.key())
     (cache / ".locks").mkdir(parents=True)
     config.lock_timeout = 0.5

@@ -1,18 +1,16 @@
-"""The on-disk cache: where things live, what a complete entry is, and how one is published.
+"""The on-disk cache: the key, what a complete entry is, how one is published, listed and cleared.
 
 Layout under the cache root::
 
-    <name>_<sm tag>_<hash16>/     one published entry: <name>.so, manifest.json, build.log,
-                                  and for reference <name>.cu and build.ninja
-    .staging/<folder>.<pid>.<rand>/   a build in progress (private to its builder)
-    .locks/<folder>.lock          per-key OS lock (dies with its holder)
-    .trash/                       entries moved aside before deletion
-    .toolchain/                   cached compiler --version outputs
-    failed/<folder>.log           the full log of the last failed build of a key
+    <name>_<sm tag>_<hash16>/        a published entry: <name>.so, <name>.cu, manifest.json, build.log
+    .staging/<folder>.<pid>.<rand>/  a build in progress (private to its builder)
+    .locks/<folder>.lock             per-key OS lock (released when its holder dies)
+    .trash/                          entries moved aside before deletion
+    .toolchain/                      remembered compiler --version outputs
+    failed/<folder>.log              the full log of the last failed build of a key
 
-An entry only ever appears by renaming a complete staging folder onto its final
-name, so a reader sees a whole entry or none; a killed builder leaves only its
-staging folder behind.
+An entry appears only by renaming a complete staging folder onto its final name, so a
+reader sees a whole entry or none; a killed builder leaves only its staging folder.
 """
 
 from __future__ import annotations
@@ -21,35 +19,163 @@ import errno
 import hashlib
 import json
 import os
+import platform
 import secrets
 import shutil
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .spec import JitSpec
+from .toolchain import arch_tag, host_compiler, tool_version
+
 __all__ = [
-    "BUILD_LOG",
-    "MANIFEST",
-    "CacheLayout",
-    "Verdict",
-    "clean_staging",
-    "file_sha256",
-    "find_portable_match",
-    "new_manifest",
-    "publish",
-    "quarantine",
-    "read_manifest",
-    "remove_tree",
-    "verify_entry",
-    "write_manifest",
+    "BUILD_LOG", "MANIFEST", "CacheLayout", "JitCacheInfo", "KeyInputs", "TreeDigest", "Verdict", "clear_cache",
+    "find_portable_match", "folder_name", "key_inputs", "list_entries", "publish", "quarantine", "tree_digest",
+    "verify_entry", "write_manifest",
 ]
 
 MANIFEST = "manifest.json"
 BUILD_LOG = "build.log"
+#: Bumped when the meaning of a key or the layout of an entry changes: old entries then miss.
+KEY_SCHEMA = 2
+#: A staging or trash folder this old belongs to a builder that died (no build takes hours).
+STALE_S = 6 * 3600.0
+# nvcc reads these on every call: they change the build as much as a flag does.
+_NVCC_FLAG_ENV = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")
 
-#: A staging folder this old belongs to a builder that died (no build takes hours).
-STALE_STAGING_S = 6 * 3600.0
+
+# --- the key ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeDigest:
+    """One include dir's contents: how many files, and a sha256 over (relative path, file sha256)."""
+
+    files: int
+    sha256: str
+
+
+def _skipped(name: str) -> bool:
+    # Editor, VCS and bytecode droppings are never #included; hashing them would turn a saved swap file into a rebuild.
+    return name.startswith(".") or name == "__pycache__" or name.endswith(".pyc")
+
+
+def tree_digest(root: Path) -> TreeDigest:
+    """Hash every file under ``root`` by its path relative to ``root`` and its contents.
+
+    Raises:
+        FileNotFoundError: when ``root`` is not a directory.
+    """
+    if not root.is_dir():
+        raise FileNotFoundError(f"JIT include dir does not exist: {root}")
+    entries = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not _skipped(d)]
+        for path in (Path(dirpath) / f for f in filenames if not _skipped(f)):
+            if path.is_file():
+                entries.append((path.relative_to(root).as_posix(), hashlib.sha256(path.read_bytes()).hexdigest()))
+    outer = hashlib.sha256()
+    for relative, digest in sorted(entries):
+        outer.update(f"{relative}\0{digest}\n".encode())
+    return TreeDigest(files=len(entries), sha256=outer.hexdigest())
+
+
+def package_version() -> str:
+    """flash_compress's version: the imported package's, else the installed metadata's."""
+    version = getattr(sys.modules.get("flash_compress"), "__version__", None)
+    if isinstance(version, str):
+        return version
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        return dist_version("flash-compress")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class KeyInputs:
+    """Everything the cache key covers, as plain data (the manifest records it too).
+
+    ``nvcc_version``, ``host_compiler`` and ``nvcc_env`` are the toolchain: ``None``/empty
+    where no nvcc exists. The *portable* key leaves them out, so that such a machine can
+    still find a published build that matches everything else.
+    """
+
+    schema: int
+    name: str
+    source_sha256: str
+    include_trees: tuple[TreeDigest, ...]
+    extra_cuda_cflags: tuple[str, ...]
+    extra_ldflags: tuple[str, ...]
+    arch_list: tuple[str, ...]
+    tvm_ffi_version: str
+    package_version: str
+    platform: str
+    nvcc_version: str | None
+    host_compiler: str | None
+    nvcc_env: tuple[tuple[str, str], ...]
+
+    @staticmethod
+    def _digest(fields: dict[str, Any]) -> str:
+        return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    def portable_key(self) -> str:
+        """The key without the toolchain."""
+        fields = asdict(self)
+        for name in ("nvcc_version", "host_compiler", "nvcc_env"):
+            del fields[name]
+        return self._digest(fields)
+
+    def key(self) -> str:
+        """The full cache key (64 hex digits).
+
+        Raises:
+            ValueError: when the toolchain is unknown (no nvcc on this machine).
+        """
+        if self.nvcc_version is None:
+            raise ValueError("the full cache key needs nvcc's version, and no nvcc was found")
+        return self._digest(asdict(self))
+
+
+def key_inputs(spec: JitSpec, arch_list: tuple[str, ...], nvcc: Path | None, cache_dir: Path | None) -> KeyInputs:
+    """The key inputs of ``spec`` built for ``arch_list`` by ``nvcc`` (``None``: no nvcc here).
+
+    ``cache_dir`` holds the remembered compiler versions (``None`` skips them).
+    """
+    import tvm_ffi  # the loader imports it anyway, to load the module
+
+    versions: tuple[str | None, str | None] = (None, None)
+    if nvcc is not None:
+        cxx = host_compiler()
+        versions = (tool_version(nvcc, ("--version",), cache_dir),
+                    tool_version(cxx, ("--version",), cache_dir) if cxx else "not found")
+    return KeyInputs(
+        schema=KEY_SCHEMA,
+        name=spec.name,
+        source_sha256=hashlib.sha256(spec.translation_unit().encode()).hexdigest(),
+        include_trees=tuple(tree_digest(root) for root in spec.include_dirs),
+        extra_cuda_cflags=spec.extra_cuda_cflags,
+        extra_ldflags=spec.extra_ldflags,
+        arch_list=arch_list,
+        tvm_ffi_version=str(tvm_ffi.__version__),
+        package_version=package_version(),
+        platform=f"{sys.platform}-{platform.machine()}",
+        nvcc_version=versions[0],
+        host_compiler=versions[1],
+        nvcc_env=tuple((var, os.environ[var]) for var in _NVCC_FLAG_ENV if nvcc and os.environ.get(var)),
+    )
+
+
+def folder_name(name: str, arch_list: tuple[str, ...], key: str) -> str:
+    """The readable cache folder name: ``<name>_<sm tag>_<first 16 hex digits of the key>``."""
+    return f"{name}_{arch_tag(arch_list)}_{key[:16]}"
+
+
+# --- entries ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -59,16 +185,11 @@ class CacheLayout:
     root: Path
 
     def entry(self, folder: str) -> Path:
-        """A published entry's folder."""
         return self.root / folder
 
     @property
     def staging_root(self) -> Path:
         return self.root / ".staging"
-
-    @property
-    def locks(self) -> Path:
-        return self.root / ".locks"
 
     @property
     def trash(self) -> Path:
@@ -79,23 +200,20 @@ class CacheLayout:
         return self.root / "failed"
 
     def lock_path(self, folder: str) -> Path:
-        """The per-key lock file."""
-        return self.locks / f"{folder}.lock"
+        return self.root / ".locks" / f"{folder}.lock"
 
     def failed_log(self, folder: str) -> Path:
-        """Where a failed build's full log is kept."""
         return self.failed / f"{folder}.log"
 
     def new_staging(self, folder: str) -> Path:
-        """Create a fresh private staging folder for a build of ``folder``."""
+        """A fresh private staging folder for a build of ``folder``."""
         self.staging_root.mkdir(parents=True, exist_ok=True)
         path = self.staging_root / f"{folder}.{os.getpid()}.{secrets.token_hex(4)}"
         path.mkdir()
         return path
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 of a file's contents, read in chunks."""
+def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -112,63 +230,30 @@ def read_manifest(entry: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def new_manifest(
-    *,
-    folder: str,
-    key: str,
-    portable_key: str,
-    inputs: dict[str, Any],
-    library: Path,
-    build_seconds: float,
-    command: str,
-) -> dict[str, Any]:
-    """A manifest for a freshly built entry: what was built, from what, and the .so's size and sha256.
-
-    ``inputs`` is the key inputs as plain data (names, digests, flags, versions).
-    """
-    return {
-        "folder": folder,
-        "name": inputs["name"],
-        "key": key,
-        "portable_key": portable_key,
-        "arch_list": list(inputs["arch_list"]),
-        "nvcc_version": inputs["nvcc_version"],
-        "tvm_ffi_version": inputs["tvm_ffi_version"],
-        "package_version": inputs["package_version"],
-        "flags": {
-            "extra_cuda_cflags": list(inputs["extra_cuda_cflags"]),
-            "extra_cflags": list(inputs["extra_cflags"]),
-            "extra_ldflags": list(inputs["extra_ldflags"]),
-        },
-        "key_inputs": inputs,
+def write_manifest(staging: Path, inputs: KeyInputs, library: Path, build_seconds: float, command: str) -> None:
+    """Record what was built, from what, and the .so's size and sha256 (flushed to disk)."""
+    manifest = {
+        **asdict(inputs),
+        "folder": folder_name(inputs.name, inputs.arch_list, inputs.key()),
+        "key": inputs.key(),
+        "portable_key": inputs.portable_key(),
         "library": library.name,
         "size": library.stat().st_size,
-        "sha256": file_sha256(library),
+        "sha256": _sha256(library),
         "build_seconds": round(build_seconds, 3),
         "built_at": time.time(),
         "command": command,
-        "log": BUILD_LOG,
     }
-
-
-def write_manifest(entry: Path, manifest: dict[str, Any]) -> None:
-    """Write (and flush to disk) an entry's manifest; only ever done in staging."""
-    path = entry / MANIFEST
-    with path.open("w") as f:
+    with (staging / MANIFEST).open("w") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)
-        f.write("\n")
         f.flush()
         os.fsync(f.fileno())
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """The state of one entry on disk.
-
-    ``library`` is set when the entry is complete and its .so matches the manifest;
-    ``problem`` says what is wrong otherwise (``None`` together with no library
-    means the entry does not exist).
-    """
+    """One entry on disk: ``library`` when complete and matching its manifest, else ``problem``
+    (both ``None``: no such entry)."""
 
     library: Path | None
     problem: str | None
@@ -180,39 +265,33 @@ class Verdict:
 
 
 def verify_entry(entry: Path, key: str | None = None) -> Verdict:
-    """Check an entry: manifest readable, (``key`` matches), .so present with the recorded size and sha256."""
+    """Check an entry: manifest readable, ``key`` matches (if given), .so of the recorded size and sha256."""
     if not entry.is_dir():
-        return Verdict(library=None, problem=None)
+        return Verdict(None, None)
     manifest = read_manifest(entry)
     if manifest is None:
-        return Verdict(library=None, problem="manifest.json is missing or unreadable")
+        return Verdict(None, "manifest.json is missing or unreadable")
     if key is not None and manifest.get("key") != key:
-        return Verdict(library=None, problem="manifest.json belongs to another key", manifest=manifest)
+        return Verdict(None, "manifest.json belongs to another key", manifest)
     library = entry / str(manifest.get("library", ""))
     if not manifest.get("library") or not library.is_file():
-        return Verdict(library=None, problem="the shared library is missing", manifest=manifest)
+        return Verdict(None, "the shared library is missing", manifest)
     size = library.stat().st_size
     if size != manifest.get("size"):
-        return Verdict(
-            library=None,
-            problem=f"the shared library has {size} bytes, the manifest says {manifest.get('size')}",
-            manifest=manifest,
-        )
-    if file_sha256(library) != manifest.get("sha256"):
-        return Verdict(library=None, problem="the shared library's sha256 does not match the manifest", manifest=manifest)
-    return Verdict(library=library, problem=None, manifest=manifest)
+        return Verdict(None, f"the shared library has {size} bytes, the manifest says {manifest.get('size')}", manifest)
+    if _sha256(library) != manifest.get("sha256"):
+        return Verdict(None, "the shared library's sha256 does not match the manifest", manifest)
+    return Verdict(library, None, manifest)
 
 
 def remove_tree(path: Path) -> None:
-    """Delete a folder, ignoring what is already gone."""
     shutil.rmtree(path, ignore_errors=True)
 
 
 def quarantine(layout: CacheLayout, entry: Path) -> None:
-    """Move an entry out of its final name at once, then delete it.
+    """Rename an entry out of its final name at once (a loader never sees half of one), then delete it.
 
-    The rename is atomic, so no other process can load it half-deleted; a process
-    that already mapped the .so keeps its mapping.
+    A process that already mapped the .so keeps its mapping.
     """
     layout.trash.mkdir(parents=True, exist_ok=True)
     aside = layout.trash / f"{entry.name}.{os.getpid()}.{secrets.token_hex(4)}"
@@ -224,10 +303,8 @@ def quarantine(layout: CacheLayout, entry: Path) -> None:
 
 
 def publish(staging: Path, final: Path) -> bool:
-    """Rename a complete staging folder onto its final name; ``False`` if another builder got there first.
-
-    The loser's staging folder is deleted; the caller then uses the winner's entry.
-    """
+    """Rename a complete staging folder onto its final name; ``False`` (and the staging folder
+    deleted) if another builder got there first."""
     try:
         os.rename(staging, final)
     except OSError as exc:
@@ -238,50 +315,93 @@ def publish(staging: Path, final: Path) -> bool:
     return True
 
 
-def clean_staging(layout: CacheLayout, folder: str) -> None:
-    """Delete staging folders left by dead builders.
-
-    Call it holding ``folder``'s lock: then any staging folder of ``folder`` belongs
-    to a builder that died (a live one would hold the lock). Other keys' staging
-    folders are deleted only when older than :data:`STALE_STAGING_S`.
-    """
-    try:
-        children = list(layout.staging_root.iterdir())
-    except OSError:
-        return
+def clean_staging(layout: CacheLayout, folder: str | None) -> None:
+    """Delete what dead builders left: staging folders of ``folder`` (call it holding that key's lock,
+    so none is live) and any staging or trash folder older than :data:`STALE_S`."""
     now = time.time()
-    for child in children:
-        mine = child.name.startswith(f"{folder}.")
-        try:
-            stale = now - child.stat().st_mtime > STALE_STAGING_S
-        except OSError:
-            continue
-        if mine or stale:
-            remove_tree(child)
-    for child in (layout.trash.iterdir() if layout.trash.is_dir() else ()):
-        try:
-            if now - child.stat().st_mtime > STALE_STAGING_S:
+    for parent in (layout.staging_root, layout.trash):
+        for child in parent.iterdir() if parent.is_dir() else ():
+            try:
+                stale = now - child.stat().st_mtime > STALE_S
+            except OSError:
+                continue
+            if stale or (folder is not None and parent == layout.staging_root and child.name.startswith(f"{folder}.")):
                 remove_tree(child)
-        except OSError:
-            continue
 
 
 def find_portable_match(layout: CacheLayout, name: str, tag: str, portable_key: str) -> Verdict:
-    """The newest intact entry of ``name`` for arch tag ``tag`` whose portable key matches.
-
-    Used where no CUDA toolkit exists, so the full key (which needs nvcc's version)
-    cannot be computed.
-    """
-    best: Verdict = Verdict(library=None, problem=None)
-    best_time = -1.0
+    """The newest intact entry of ``name`` for arch tag ``tag`` whose portable key matches
+    (for a machine with no nvcc, which cannot compute the full key)."""
+    candidates = []
     for entry in layout.root.glob(f"{name}_{tag}_*"):
         manifest = read_manifest(entry)
-        if manifest is None or manifest.get("portable_key") != portable_key:
-            continue
-        built_at = float(manifest.get("built_at", 0.0))
-        if built_at <= best_time:
-            continue
+        if manifest is not None and manifest.get("portable_key") == portable_key:
+            candidates.append((float(manifest.get("built_at", 0.0)), entry))
+    for _, entry in sorted(candidates, reverse=True):
         verdict = verify_entry(entry)
         if verdict.library is not None:
-            best, best_time = verdict, built_at
-    return best
+            return verdict
+    return Verdict(None, None)
+
+
+# --- looking at and emptying the cache --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JitCacheInfo:
+    """One published entry: folder name and path, variant name, archs, full key, bytes on disk,
+    build time (epoch seconds, 0 if unknown), compile seconds, and whether its .so has the
+    recorded size (a quick check, no sha256)."""
+
+    folder: str
+    path: Path
+    name: str
+    arch_list: tuple[str, ...]
+    key: str
+    size: int
+    built_at: float
+    build_seconds: float
+    intact: bool
+
+
+def list_entries(root: Path) -> list[JitCacheInfo]:
+    """Every published entry under ``root``, sorted by folder name."""
+    entries = []
+    for path in sorted(root.iterdir()) if root.is_dir() else ():
+        manifest = read_manifest(path) if path.is_dir() and not path.name.startswith(".") else None
+        if manifest is None:
+            continue
+        library = path / str(manifest.get("library", ""))
+        entries.append(JitCacheInfo(
+            folder=path.name,
+            path=path,
+            name=str(manifest.get("name", "")),
+            arch_list=tuple(manifest.get("arch_list", ())),
+            key=str(manifest.get("key", "")),
+            size=sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
+            built_at=float(manifest.get("built_at", 0.0)),
+            build_seconds=float(manifest.get("build_seconds", 0.0)),
+            intact=library.is_file() and library.stat().st_size == manifest.get("size"),
+        ))
+    return entries
+
+
+def clear_cache(root: Path, name_prefix: str | None = None) -> list[str]:
+    """Delete published entries (all, or those whose variant name starts with ``name_prefix``);
+    returns their folder names.
+
+    Each is renamed away first, so a concurrent loader never sees half of one. Clearing
+    everything also drops failed-build logs, remembered compiler versions and dead
+    builders' leftovers; lock files stay (deleting a held one would let a second builder in).
+    """
+    layout = CacheLayout(root)
+    removed = []
+    for info in list_entries(root):
+        if name_prefix is None or info.name.startswith(name_prefix):
+            quarantine(layout, info.path)
+            removed.append(info.folder)
+    if name_prefix is None and root.is_dir():
+        for path in (layout.failed, root / ".toolchain", layout.trash):
+            remove_tree(path)
+        clean_staging(layout, None)
+    return removed

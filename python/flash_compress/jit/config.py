@@ -1,50 +1,25 @@
-"""Process-wide JIT settings: each is an environment variable, and each is also settable in Python.
+"""Process-wide JIT settings: each an environment variable, each also settable in Python.
 
-An environment variable is read at every use, not once at import, so a test or a
-launcher that sets it late still wins over the default. A value assigned in Python
-(``flash_compress.jit.config.cache_dir = ...``) wins over the environment for this
-process; assigning ``None`` goes back to the environment.
+The environment is read at every use, so a launcher that sets a variable late still
+wins over the default. A value assigned in Python (``flash_compress.jit.config.cache_dir
+= ...``) wins over the environment for this process; assigning ``None`` hands the
+setting back to the environment.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = [
-    "ENV_ARCH_LIST",
-    "ENV_CACHE_DIR",
-    "ENV_DISABLE_JIT",
-    "ENV_LOCK_TIMEOUT",
-    "ENV_MAX_JOBS",
-    "ENV_VERBOSE",
-    "JitConfig",
-    "config",
-]
+import platformdirs
 
-ENV_CACHE_DIR = "FLASH_COMPRESS_CACHE_DIR"
-ENV_ARCH_LIST = "FLASH_COMPRESS_CUDA_ARCH_LIST"
-ENV_VERBOSE = "FLASH_COMPRESS_JIT_VERBOSE"
-ENV_DISABLE_JIT = "FLASH_COMPRESS_DISABLE_JIT"
-ENV_LOCK_TIMEOUT = "FLASH_COMPRESS_JIT_LOCK_TIMEOUT"
-ENV_MAX_JOBS = "MAX_JOBS"
+__all__ = ["JitConfig", "config", "split_arch_text"]
 
-DEFAULT_CACHE_DIR = Path("~/.cache/flash_compress")
 #: A cold build of a big variant takes minutes on a small machine; a waiter gives up after this.
 DEFAULT_LOCK_TIMEOUT_S = 20 * 60.0
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"", "0", "false", "no", "off"})
-
-
-def _parse_bool(name: str, text: str) -> bool:
-    value = text.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name}: expected 0 or 1, got {text!r}")
 
 
 def split_arch_text(text: str) -> tuple[str, ...]:
@@ -52,132 +27,98 @@ def split_arch_text(text: str) -> tuple[str, ...]:
     return tuple(token for token in re.split(r"[\s,;]+", text.strip()) if token)
 
 
+def _path(value: Any) -> Path:
+    return Path(value).expanduser()
+
+
+def _arch_list(value: Any) -> tuple[str, ...] | None:
+    tokens = split_arch_text(value) if isinstance(value, str) else tuple(str(arch) for arch in value)
+    return tokens or None
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, str):
+        return bool(value)
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 0 or 1")
+
+
+def _positive(kind: type) -> Callable[[Any], Any]:
+    def parse(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a positive {kind.__name__}")
+        number = kind(value)  # ValueError for text that is no number
+        if number <= 0:
+            raise ValueError(f"expected a positive {kind.__name__}")
+        return number
+
+    return parse
+
+
+class _Setting:
+    """One setting: a Python override, else the environment variable ``env``, else ``default()``."""
+
+    def __init__(self, env: str, parse: Callable[[Any], Any], default: Callable[[], Any]) -> None:
+        self.env, self.parse, self.default = env, parse, default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def _parsed(self, value: Any) -> Any:
+        try:
+            return self.parse(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{self.env} (config.{self.name}): {exc}, got {value!r}") from None
+
+    def __get__(self, owner: JitConfig | None, cls: type) -> Any:
+        if owner is None:
+            return self
+        override = owner.overrides.get(self.name)
+        if override is not None:
+            return override
+        text = os.environ.get(self.env, "").strip()
+        return self._parsed(text) if text else self.default()
+
+    def __set__(self, owner: JitConfig, value: Any) -> None:
+        owner.overrides[self.name] = None if value is None else self._parsed(value)
+
+
 class JitConfig:
-    """The JIT's settings; one shared instance is :data:`config`.
+    """The JIT's settings; the shared instance is :data:`config`.
 
-    Attributes (each a property; reading it consults the override, then the environment):
-
-    - ``cache_dir``: where builds are cached (``FLASH_COMPRESS_CACHE_DIR``, default ``~/.cache/flash_compress``).
-    - ``arch_list``: CUDA archs to build for, as written (``FLASH_COMPRESS_CUDA_ARCH_LIST``), or
-      ``None`` to detect the GPU; :func:`flash_compress.jit.cuda_arch_list` validates it.
-    - ``verbose``: print the compiler's output to stderr (``FLASH_COMPRESS_JIT_VERBOSE=1``).
-    - ``disable_jit``: never compile; a cache miss raises (``FLASH_COMPRESS_DISABLE_JIT=1``).
-    - ``max_jobs``: parallel compile jobs inside one build (``MAX_JOBS``), ``None`` for ninja's default.
-    - ``lock_timeout``: seconds to wait for another process's build of the same variant
-      (``FLASH_COMPRESS_JIT_LOCK_TIMEOUT``, default 1200).
+    - ``cache_dir`` (``FLASH_COMPRESS_CACHE_DIR``): where builds are cached; default the
+      user cache folder, ``$XDG_CACHE_HOME/flash_compress`` (``~/.cache/flash_compress``) on Linux.
+    - ``arch_list`` (``FLASH_COMPRESS_CUDA_ARCH_LIST``, e.g. ``"9.0 10.0"``): archs to build for,
+      ``None`` to detect the GPU.
+    - ``verbose`` (``FLASH_COMPRESS_JIT_VERBOSE=1``): echo the compiler's output to stderr.
+    - ``disable_jit`` (``FLASH_COMPRESS_DISABLE_JIT=1``): never compile; a cache miss raises.
+    - ``max_jobs`` (``MAX_JOBS``): nvcc threads for a multi-arch build, ``None`` for one per arch.
+    - ``lock_timeout`` (``FLASH_COMPRESS_JIT_LOCK_TIMEOUT``): seconds to wait for another
+      process's build of the same variant (default 1200).
     """
 
+    cache_dir = _Setting("FLASH_COMPRESS_CACHE_DIR", _path,
+                         lambda: platformdirs.user_cache_path("flash_compress", appauthor=False))
+    arch_list = _Setting("FLASH_COMPRESS_CUDA_ARCH_LIST", _arch_list, lambda: None)
+    verbose = _Setting("FLASH_COMPRESS_JIT_VERBOSE", _bool, lambda: False)
+    disable_jit = _Setting("FLASH_COMPRESS_DISABLE_JIT", _bool, lambda: False)
+    max_jobs = _Setting("MAX_JOBS", _positive(int), lambda: None)
+    lock_timeout = _Setting("FLASH_COMPRESS_JIT_LOCK_TIMEOUT", _positive(float), lambda: DEFAULT_LOCK_TIMEOUT_S)
+
     def __init__(self) -> None:
-        self._cache_dir: Path | None = None
-        self._arch_list: tuple[str, ...] | None = None
-        self._verbose: bool | None = None
-        self._disable_jit: bool | None = None
-        self._max_jobs: int | None = None
-        self._lock_timeout: float | None = None
+        self.overrides: dict[str, Any] = {}
 
-    @property
-    def cache_dir(self) -> Path:
-        """The cache root, with ``~`` expanded (it need not exist yet)."""
-        if self._cache_dir is not None:
-            return self._cache_dir
-        text = os.environ.get(ENV_CACHE_DIR, "").strip()
-        return (Path(text) if text else DEFAULT_CACHE_DIR).expanduser()
-
-    @cache_dir.setter
-    def cache_dir(self, value: str | os.PathLike[str] | None) -> None:
-        self._cache_dir = None if value is None else Path(value).expanduser()
-
-    @property
-    def arch_list(self) -> tuple[str, ...] | None:
-        """The requested archs as written, or ``None`` when nothing was requested."""
-        if self._arch_list is not None:
-            return self._arch_list
-        tokens = split_arch_text(os.environ.get(ENV_ARCH_LIST, ""))
-        return tokens or None
-
-    @arch_list.setter
-    def arch_list(self, value: str | tuple[str, ...] | list[str] | None) -> None:
-        if value is None:
-            self._arch_list = None
-        elif isinstance(value, str):
-            self._arch_list = split_arch_text(value) or None
-        else:
-            self._arch_list = tuple(str(arch) for arch in value) or None
-
-    @property
-    def verbose(self) -> bool:
-        """Whether builds print the compiler's output to stderr."""
-        if self._verbose is not None:
-            return self._verbose
-        return _parse_bool(ENV_VERBOSE, os.environ.get(ENV_VERBOSE, ""))
-
-    @verbose.setter
-    def verbose(self, value: bool | None) -> None:
-        self._verbose = None if value is None else bool(value)
-
-    @property
-    def disable_jit(self) -> bool:
-        """Whether a cache miss raises instead of compiling."""
-        if self._disable_jit is not None:
-            return self._disable_jit
-        return _parse_bool(ENV_DISABLE_JIT, os.environ.get(ENV_DISABLE_JIT, ""))
-
-    @disable_jit.setter
-    def disable_jit(self, value: bool | None) -> None:
-        self._disable_jit = None if value is None else bool(value)
-
-    @property
-    def max_jobs(self) -> int | None:
-        """Parallel compile jobs inside one build, or ``None`` for ninja's default."""
-        if self._max_jobs is not None:
-            return self._max_jobs
-        text = os.environ.get(ENV_MAX_JOBS, "").strip()
-        if not text:
-            return None
-        try:
-            jobs = int(text)
-        except ValueError:
-            raise ValueError(f"{ENV_MAX_JOBS}: expected a positive integer, got {text!r}") from None
-        if jobs < 1:
-            raise ValueError(f"{ENV_MAX_JOBS}: expected a positive integer, got {text!r}")
-        return jobs
-
-    @max_jobs.setter
-    def max_jobs(self, value: int | None) -> None:
-        if value is not None and (isinstance(value, bool) or int(value) < 1):
-            raise ValueError(f"max_jobs: expected a positive integer, got {value!r}")
-        self._max_jobs = None if value is None else int(value)
-
-    @property
-    def lock_timeout(self) -> float:
-        """Seconds to wait for another process building the same variant."""
-        if self._lock_timeout is not None:
-            return self._lock_timeout
-        text = os.environ.get(ENV_LOCK_TIMEOUT, "").strip()
-        if not text:
-            return DEFAULT_LOCK_TIMEOUT_S
-        try:
-            seconds = float(text)
-        except ValueError:
-            raise ValueError(f"{ENV_LOCK_TIMEOUT}: expected seconds, got {text!r}") from None
-        if seconds <= 0:
-            raise ValueError(f"{ENV_LOCK_TIMEOUT}: expected a positive number of seconds, got {text!r}")
-        return seconds
-
-    @lock_timeout.setter
-    def lock_timeout(self, value: float | None) -> None:
-        if value is not None and float(value) <= 0:
-            raise ValueError(f"lock_timeout: expected a positive number of seconds, got {value!r}")
-        self._lock_timeout = None if value is None else float(value)
+    def resolve_cache_dir(self, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+        """``cache_dir`` as an absolute path, or :attr:`cache_dir` when it is ``None``."""
+        return (_path(cache_dir) if cache_dir is not None else self.cache_dir).absolute()
 
     def reset(self) -> None:
         """Drop every Python override: the environment decides again."""
-        self._cache_dir = None
-        self._arch_list = None
-        self._verbose = None
-        self._disable_jit = None
-        self._max_jobs = None
-        self._lock_timeout = None
+        self.overrides.clear()
 
 
 #: The process-wide settings the loader reads.

@@ -1,130 +1,81 @@
-"""The compilers: where the CUDA toolkit is, and what exactly nvcc and the host compiler are.
+"""The compilers and the target: which nvcc, what exactly it and the host compiler are, which archs.
 
-Their ``--version`` outputs go into the cache key. Running them costs tens of
-milliseconds per process, so the outputs are cached, in memory and on disk in the
-cache dir, keyed by each binary's real path, size and mtime: a warm load in a
-fresh process then runs no subprocess at all.
+The compilers' ``--version`` outputs go into the cache key. Running them costs tens
+of milliseconds, so the outputs are remembered, in memory and under the cache dir,
+keyed by each binary's real path, size and mtime: a warm load in a fresh process
+runs no subprocess at all.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 
-from .config import config
+from .config import config, split_arch_text
 
-__all__ = ["CudaToolkit", "find_cuda_toolkit", "host_compiler", "tool_version"]
+__all__ = [
+    "DEFAULT_ARCH_LIST",
+    "arch_tag",
+    "cuda_arch_list",
+    "detect_gpu_arch_list",
+    "find_nvcc",
+    "gencode_flags",
+    "host_compiler",
+    "normalize_arch_list",
+    "tool_version",
+]
 
 _DEFAULT_CUDA_HOME = Path("/usr/local/cuda")
-# A wrapper script is read for the toolkit it execs only when it is this small.
-_MAX_WRAPPER_BYTES = 64 * 1024
+
+#: Used when nothing is requested and no GPU is visible (a build machine): the project targets Hopper.
+DEFAULT_ARCH_LIST: tuple[str, ...] = ("9.0",)
+
+# "9.0", "10.0", "9.0a" (arch-specific features) or "10.0f" (family-specific).
+_ARCH = re.compile(r"(\d+)\.(\d)([af]?)")
 
 
-@dataclass(frozen=True)
-class CudaToolkit:
-    """A usable CUDA toolkit: its root (what ``CUDA_HOME`` should be) and its ``nvcc``."""
-
-    home: Path
-    nvcc: Path
+# --- compilers -------------------------------------------------------------------------------------
 
 
-def _is_toolkit(home: Path) -> bool:
-    # A bare bin/nvcc is not enough: /usr/local/bin/nvcc may be a wrapper whose
-    # parent has no CUDA headers, and tvm-ffi takes CUDA_HOME/lib64 and the headers from here.
-    if not (home / "bin" / "nvcc").is_file():
-        return False
-    if (home / "include" / "cuda_runtime.h").is_file():
-        return True
-    targets = home / "targets"
-    return targets.is_dir() and any(targets.glob("*/include/cuda_runtime.h"))
+def find_nvcc() -> Path | None:
+    """The nvcc to build with, or ``None`` when this machine has none.
 
-
-def _homes_named_in_wrapper(nvcc: Path) -> list[Path]:
-    """Toolkit roots that a small wrapper script around nvcc names (``exec /opt/cuda/bin/nvcc "$@"``)."""
-    try:
-        if nvcc.stat().st_size > _MAX_WRAPPER_BYTES:
-            return []
-        data = nvcc.read_bytes()
-    except OSError:
-        return []
-    if data.startswith(b"\x7fELF"):
-        return []
-    text = data.decode("utf-8", errors="replace")
-    return [Path(match) for match in re.findall(r"(/[^\s\"'`;|&]+)/bin/nvcc\b", text)]
-
-
-def _home_reported_by_nvcc(nvcc: Path) -> Path | None:
-    """Ask nvcc where it lives (its dry run prints ``_HERE_=<home>/bin``): the last resort."""
-    try:
-        result = subprocess.run(
-            [str(nvcc), "-dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    match = re.search(r"^#\$ _HERE_=(.+)$", result.stdout + result.stderr, re.MULTILINE)
-    return Path(match.group(1).strip()).parent if match else None
-
-
-def find_cuda_toolkit() -> CudaToolkit | None:
-    """Find the CUDA toolkit, or ``None`` when this machine has none.
-
-    Candidates in order: ``$CUDA_HOME``, ``$CUDA_PATH``, ``/usr/local/cuda``, then the
-    ``nvcc`` on ``PATH`` (its real path's grandparent, a toolkit its wrapper script
-    names, and finally the home nvcc reports). The first candidate that holds both
-    ``bin/nvcc`` and ``include/cuda_runtime.h`` wins.
+    ``$CUDA_HOME/bin/nvcc``, ``$CUDA_PATH/bin/nvcc``, ``/usr/local/cuda/bin/nvcc``, then
+    ``nvcc`` on ``PATH`` (a wrapper script is fine: nvcc finds its own headers and libraries).
     """
-    candidates: list[Path] = []
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        value = os.environ.get(var, "").strip()
-        if value:
-            candidates.append(Path(value).expanduser())
-    candidates.append(_DEFAULT_CUDA_HOME)
-    for home in candidates:
-        if _is_toolkit(home):
-            return CudaToolkit(home=home, nvcc=home / "bin" / "nvcc")
+    homes = [Path(os.environ[var]).expanduser() for var in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(var, "").strip()]
+    for home in (*homes, _DEFAULT_CUDA_HOME):
+        nvcc = home / "bin" / "nvcc"
+        if nvcc.is_file() and os.access(nvcc, os.X_OK):
+            return nvcc
     on_path = shutil.which("nvcc")
-    if on_path is None:
-        return None
-    nvcc = Path(on_path)
-    later = [nvcc.resolve().parent.parent, nvcc.parent.parent, *_homes_named_in_wrapper(nvcc)]
-    for home in later:
-        if _is_toolkit(home):
-            return CudaToolkit(home=home, nvcc=home / "bin" / "nvcc")
-    reported = _home_reported_by_nvcc(nvcc)
-    if reported is not None and _is_toolkit(reported):
-        return CudaToolkit(home=reported, nvcc=reported / "bin" / "nvcc")
-    return None
+    return Path(on_path) if on_path else None
 
 
 def host_compiler() -> Path | None:
-    """The host C++ compiler tvm-ffi links with: ``$CXX``, else ``c++`` on ``PATH``."""
-    name = os.environ.get("CXX", "").strip() or "c++"
-    found = shutil.which(name)
+    """The host C++ compiler nvcc drives: ``$CXX``, else ``c++`` on ``PATH``."""
+    found = shutil.which(os.environ.get("CXX", "").strip() or "c++")
     return Path(found) if found else None
 
 
-_memory: dict[tuple[str, int, int, tuple[str, ...]], str] = {}
-_memory_lock = threading.Lock()
+_versions: dict[tuple[str, int, int, tuple[str, ...]], str] = {}
+_versions_lock = threading.Lock()
 
 
 def _run_version(binary: Path, args: tuple[str, ...]) -> str:
     try:
-        result = subprocess.run(
-            [str(binary), *args], capture_output=True, text=True, timeout=120, check=False,
-            env={**os.environ, "LC_ALL": "C"},
-        )
+        result = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=120, check=False,
+                                env={**os.environ, "LC_ALL": "C"})
     except (OSError, subprocess.SubprocessError) as exc:
         return f"unavailable: {exc}"
     return (result.stdout + result.stderr).strip()
@@ -143,50 +94,122 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def tool_version(binary: Path, args: tuple[str, ...], cache_dir: Path | None) -> str:
-    """``binary args...``'s output, cached in memory and under ``cache_dir/.toolchain``.
+    """``binary args...``'s output, remembered in memory and under ``cache_dir/.toolchain``.
 
-    The cache is keyed by the binary's real path, size and mtime, so an upgraded
-    compiler is re-asked. A cache dir that cannot be written only costs the re-run.
+    Keyed by the binary's real path, size and mtime, so an upgraded compiler is asked
+    again. An unwritable cache dir only costs the re-run in the next process; with the
+    JIT disabled nothing is written (a miss then leaves the cache dir untouched).
     """
     real = binary.resolve()
     try:
         st = real.stat()
     except OSError as exc:
         return f"unavailable: {exc}"
-    mem_key = (str(real), st.st_size, st.st_mtime_ns, args)
     stamp = {"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "args": list(args)}
-    disk: Path | None = None
+    memo_key = (str(real), st.st_size, st.st_mtime_ns, args)
+    disk = None
     if cache_dir is not None:
         digest = hashlib.sha256(json.dumps([str(real), list(args)]).encode()).hexdigest()[:16]
         disk = cache_dir / ".toolchain" / f"{real.name}-{digest}.json"
-    with _memory_lock:
-        remembered = _memory.get(mem_key)
-    if remembered is not None:
-        # Another cache dir may be new to this process: give it the answer too,
-        # so that its next process runs no subprocess either.
-        # (Not with the JIT disabled: a miss then must leave the cache dir untouched.)
-        if disk is not None and not config.disable_jit and not disk.exists():
-            try:
-                _write_atomically(disk, json.dumps({"stamp": stamp, "output": remembered}, indent=1))
-            except OSError:
-                pass
-        return remembered
-    if disk is not None:
+    with _versions_lock:
+        output = _versions.get(memo_key)
+    if output is None and disk is not None:
         try:
             saved = json.loads(disk.read_text())
-        except (OSError, ValueError):
-            saved = None
-        output = saved.get("output") if isinstance(saved, dict) and saved.get("stamp") == stamp else None
-        if isinstance(output, str):
-            with _memory_lock:
-                _memory[mem_key] = output
+            if saved.get("stamp") == stamp and isinstance(saved.get("output"), str):
+                output = saved["output"]
+        except (OSError, ValueError, AttributeError):
+            pass
+    fresh = output is None
+    if output is None:
+        output = _run_version(real, args)
+        if output.startswith("unavailable:"):
             return output
-    output = _run_version(real, args)
-    if disk is not None and not output.startswith("unavailable:"):
+    with _versions_lock:
+        _versions[memo_key] = output
+    if disk is not None and not config.disable_jit and (fresh or not disk.exists()):
         try:
             _write_atomically(disk, json.dumps({"stamp": stamp, "output": output}, indent=1))
         except OSError:
-            pass  # a read-only cache is fine: the next process asks again
-    with _memory_lock:
-        _memory[mem_key] = output
+            pass
     return output
+
+
+# --- target archs ----------------------------------------------------------------------------------
+
+
+def _sort_key(arch: str) -> tuple[int, int, str]:
+    major, minor, suffix = _ARCH.fullmatch(arch).groups()  # type: ignore[union-attr]
+    return (int(major), int(minor), suffix)
+
+
+def normalize_arch_list(archs: str | Iterable[str]) -> tuple[str, ...]:
+    """Validate, de-duplicate and sort an arch list, so that ``"10.0 9.0"`` and ``"9.0 10.0"`` key alike.
+
+    Raises:
+        ValueError: on an empty list or an entry not shaped like ``9.0``, ``9.0a`` or ``10.0f``.
+    """
+    tokens = split_arch_text(archs) if isinstance(archs, str) else tuple(str(a).strip() for a in archs)
+    for arch in tokens:
+        if not _ARCH.fullmatch(arch):
+            raise ValueError(f"CUDA arch: expected a compute capability like 9.0, 9.0a or 10.0, got {arch!r}")
+    if not tokens:
+        raise ValueError("CUDA arch list: expected at least one arch, e.g. 9.0")
+    return tuple(sorted(set(tokens), key=_sort_key))
+
+
+def arch_tag(arch_list: Iterable[str]) -> str:
+    """The arch part of a cache folder name: ``("9.0", "10.0")`` -> ``"sm90-100"``."""
+    return "sm" + "-".join(arch.replace(".", "") for arch in arch_list)
+
+
+def gencode_flags(arch_list: Iterable[str]) -> list[str]:
+    """nvcc's ``-gencode`` flags: SASS for each arch (``9.0a`` -> ``compute_90a``/``sm_90a``)."""
+    flags = []
+    for arch in arch_list:
+        cc = arch.replace(".", "")
+        flags.append(f"-gencode=arch=compute_{cc},code=sm_{cc}")
+    return flags
+
+
+def _torch_gpu_archs() -> tuple[str, ...] | None:
+    # Only a torch the program already imported: importing it here would cost a second
+    # or more and make the loader depend on torch.
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is None:
+        return None
+    try:
+        if not cuda.is_available():
+            return None
+        return tuple({"%d.%d" % cuda.get_device_capability(i) for i in range(cuda.device_count())}) or None
+    except Exception:  # a broken driver must not break the loader; nvidia-smi may still answer
+        return None
+
+
+@functools.cache
+def _nvidia_smi_archs() -> tuple[str, ...] | None:
+    # Once per process: the GPUs do not change under it, and the call costs tens of ms.
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        result = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return tuple(line.strip() for line in result.stdout.splitlines() if _ARCH.fullmatch(line.strip())) or None
+
+
+def detect_gpu_arch_list() -> tuple[str, ...] | None:
+    """The distinct compute capabilities of the visible GPUs, or ``None`` when none is visible."""
+    archs = _torch_gpu_archs() or _nvidia_smi_archs()
+    return normalize_arch_list(archs) if archs else None
+
+
+def cuda_arch_list() -> tuple[str, ...]:
+    """The archs to build for: ``config.arch_list`` (Python, then ``FLASH_COMPRESS_CUDA_ARCH_LIST``),
+    else the visible GPUs (through torch only if already imported, else ``nvidia-smi``), else sm_90."""
+    requested = config.arch_list
+    if requested:
+        return normalize_arch_list(requested)
+    return detect_gpu_arch_list() or DEFAULT_ARCH_LIST
