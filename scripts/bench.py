@@ -30,8 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import flash_compress  # noqa: E402
-
-CHUNK = 128
+from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES  # noqa: E402
 
 
 @dataclass
@@ -86,7 +85,7 @@ def copy_gbps() -> float:
 def torch_prefill_aligned(kv_score_input, ape, out_rows):
     """Offline chunk softmax over whole chunks (requests start at position 0, 128-aligned)."""
     head_dim = ape.shape[1]
-    x = kv_score_input.view(-1, CHUNK, 2 * head_dim)
+    x = kv_score_input.view(-1, CHUNK_SIZE, 2 * head_dim)
     kv, score = x[..., :head_dim], x[..., head_dim:] + ape
     weights = torch.softmax(score, dim=1)
     out_rows.copy_((weights * kv).sum(dim=1))
@@ -95,7 +94,7 @@ def torch_prefill_aligned(kv_score_input, ape, out_rows):
 def torch_decode(state, kv_score_input, out, ape, indices, seq_lens):
     """Vectorised online update of SPEC section 1 for one token per request."""
     head_dim = ape.shape[1]
-    pos = (seq_lens.long() - 1) % CHUNK
+    pos = (seq_lens.long() - 1) % CHUNK_SIZE
     slots = indices.long()
     old = state[slots, 0]
     old_max, old_sum, old_kv = old[:, :head_dim], old[:, head_dim : 2 * head_dim], old[:, 2 * head_dim :]
@@ -106,7 +105,7 @@ def torch_decode(state, kv_score_input, out, ape, indices, seq_lens):
     e = torch.exp(score - new_max)
     new_sum = a + e
     new_kv = (torch.where(first, torch.zeros_like(old_kv), old_kv) * a + kv * e) / new_sum
-    closing = (pos == CHUNK - 1).unsqueeze(1)
+    closing = (pos == CHUNK_SIZE - 1).unsqueeze(1)
     # Masked selects rather than boolean indexing, which syncs and cannot be graph-captured.
     out.copy_(torch.where(closing, new_kv, out))
     state[slots, 0] = torch.where(closing, old, torch.cat([new_max, new_sum, new_kv], dim=1))
@@ -117,8 +116,8 @@ def torch_decode(state, kv_score_input, out, ape, indices, seq_lens):
 
 def plan(module, extend_lens, seq_lens, use_cuda_graph):
     rows = int(sum(extend_lens))
-    compress_plan = torch.empty(rows, 16, dtype=torch.uint8)
-    write_plan = torch.empty(rows, 16, dtype=torch.uint8)
+    compress_plan = torch.empty(rows, ROW_BYTES, dtype=torch.uint8)
+    write_plan = torch.empty(rows, ROW_BYTES, dtype=torch.uint8)
     counts = module.plan_online_prefill(
         torch.tensor(extend_lens, dtype=torch.int64), torch.tensor(seq_lens, dtype=torch.int64),
         compress_plan, write_plan, use_cuda_graph,
@@ -128,7 +127,7 @@ def plan(module, extend_lens, seq_lens, use_cuda_graph):
 
 
 def prefill_case(module, head_dim, batch, extend, random_prefix, gen):
-    prefixes = torch.randint(0, 4 * CHUNK, (batch,), generator=gen).tolist() if random_prefix else [0] * batch
+    prefixes = torch.randint(0, 4 * CHUNK_SIZE, (batch,), generator=gen).tolist() if random_prefix else [0] * batch
     seq_lens = [p + extend for p in prefixes]
     rows = batch * extend
     slots = batch
@@ -136,14 +135,14 @@ def prefill_case(module, head_dim, batch, extend, random_prefix, gen):
         "state": torch.randn(slots, 1, 3 * head_dim, device="cuda"),
         "input": torch.randn(rows, 2 * head_dim, device="cuda"),
         "out": torch.empty(rows, head_dim, device="cuda"),
-        "ape": torch.randn(CHUNK, head_dim, device="cuda"),
+        "ape": torch.randn(CHUNK_SIZE, head_dim, device="cuda"),
         "indices": torch.arange(batch, dtype=torch.int32, device="cuda"),
         "seq_lens": seq_lens,
     }
     exact = plan(module, [extend] * batch, seq_lens, False)
     padded = plan(module, [extend] * batch, seq_lens, True)
     num_closed = exact[0].shape[0]
-    prior_reads = sum(1 for p in prefixes if p % CHUNK)
+    prior_reads = sum(1 for p in prefixes if p % CHUNK_SIZE)
     state_writes = exact[1].shape[0]
     bytes_moved = 4 * (rows * 2 * head_dim + num_closed * head_dim + (prior_reads + state_writes) * 3 * head_dim)
     return data, exact, padded, bytes_moved
@@ -155,12 +154,12 @@ def decode_case(head_dim, batch, device="cuda"):
     state = torch.randn(batch, 1, 3 * head_dim, device=device)
     tokens = torch.randn(batch, 2 * head_dim, device=device)
     out = torch.empty(batch, head_dim, device=device)
-    ape = torch.randn(CHUNK, head_dim, device=device)
+    ape = torch.randn(CHUNK_SIZE, head_dim, device=device)
     indices = torch.randperm(batch, dtype=torch.int32).to(device)
     seq_lens = torch.randint(2, 100000, (batch,), dtype=torch.int32).to(device)
-    pos = (seq_lens.long() - 1) % CHUNK
+    pos = (seq_lens.long() - 1) % CHUNK_SIZE
     state_reads = int((pos != 0).sum())
-    closing = int((pos == CHUNK - 1).sum())
+    closing = int((pos == CHUNK_SIZE - 1).sum())
     # Every input row; the state of every request not at a chunk start; a
     # state written back, or for a closing chunk its output row instead.
     bytes_moved = 4 * head_dim * (2 * batch + 3 * state_reads + 3 * (batch - closing) + closing)
@@ -216,7 +215,7 @@ def run(args) -> list[Row]:
             add(f"prefill {name}", f"{impl} in graph", graph_median_ms(lambda: call(own_exact), launches=10, iters=20),
                 bytes_moved)
         if not random_prefix and not args.skip_torch:
-            out_rows = torch.empty(batch * extend // CHUNK, head_dim, device="cuda")
+            out_rows = torch.empty(batch * extend // CHUNK_SIZE, head_dim, device="cuda")
             add(f"prefill {name}", "torch eager",
                 median_ms(lambda: torch_prefill_aligned(d["input"], d["ape"], out_rows), iters=20), bytes_moved)
             compiled = torch.compile(torch_prefill_aligned)
@@ -253,7 +252,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--skip-torch", action="store_true", help="time only this project and the copy")
     parser.add_argument("--reference", default=None, metavar="SEED",
-                        help="also time the reference design built from this seed file (SPEC.md's seed)")
+                        help="also time the reference design built from this seed file (the upstream contract's seed kernel)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench.py needs a CUDA GPU", file=sys.stderr)

@@ -27,7 +27,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
     import flash_compress as fc
 
-CHUNK = 128
+from flash_compress.plan_rows import CHUNK_SIZE  # noqa: E402
 
 
 def per_call_us(call: Callable[[], object], calls: int, repeats: int, warmup: int | None = None) -> float:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     d, b, dev = args.head_dim, args.batch, "cuda"
     module = fc.load_module(head_dim=d)
     state = torch.randn(2 * b, 1, 3 * d, device=dev)
-    ape = torch.randn(CHUNK, d, device=dev)
+    ape = torch.randn(CHUNK_SIZE, d, device=dev)
     indices = torch.arange(b, dtype=torch.int32, device=dev)
     seq_lens = torch.full((b,), 70, dtype=torch.int32, device=dev)
     dec_inp = torch.randn(b, 2 * d, device=dev)

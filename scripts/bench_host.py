@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 from bench_api import per_call_us  # noqa: E402
 import flash_compress  # noqa: E402
+from flash_compress.plan_rows import CHUNK_SIZE  # noqa: E402
 
 HEAD_DIM = 512
 
@@ -50,7 +51,7 @@ def main() -> int:
     state = torch.randn(1, 1, 3 * HEAD_DIM, device="cuda")
     token = torch.randn(1, 2 * HEAD_DIM, device="cuda")
     out = torch.empty(1, HEAD_DIM, device="cuda")
-    ape = torch.randn(bench.CHUNK, HEAD_DIM, device="cuda")
+    ape = torch.randn(CHUNK_SIZE, HEAD_DIM, device="cuda")
     indices = torch.zeros(1, dtype=torch.int32, device="cuda")
     seq_lens = torch.full((1,), 7, dtype=torch.int32, device="cuda")
     for name, module in impls.items():

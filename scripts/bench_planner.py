@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import flash_compress  # noqa: E402
+from flash_compress.plan_rows import ROW_BYTES  # noqa: E402
 
 BATCHES = (1, 64, 512, 4096)
 _SCRIPTS = Path(__file__).resolve().parent
-PLAN_ROW_BYTES = 16
 
 
 def random_lengths(batch: int, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -79,15 +79,15 @@ def planner_rows(module, batches=BATCHES, seed: int = 0, iters: int = 30) -> lis
         total = sum(extend)
         extend_gpu = torch.tensor(extend, dtype=torch.int64, device="cuda")
         seq_gpu = torch.tensor(seq, dtype=torch.int64, device="cuda")
-        compress_gpu = torch.empty(total, PLAN_ROW_BYTES, dtype=torch.uint8, device="cuda")
+        compress_gpu = torch.empty(total, ROW_BYTES, dtype=torch.uint8, device="cuda")
         write_gpu = torch.empty_like(compress_gpu)
         counts = torch.zeros(3, dtype=torch.int32, device="cuda")
-        compress_host = torch.empty(total, PLAN_ROW_BYTES, dtype=torch.uint8, pin_memory=True)
-        write_host = torch.empty(total, PLAN_ROW_BYTES, dtype=torch.uint8, pin_memory=True)
+        compress_host = torch.empty(total, ROW_BYTES, dtype=torch.uint8, pin_memory=True)
+        write_host = torch.empty(total, ROW_BYTES, dtype=torch.uint8, pin_memory=True)
         extend_cpu, seq_cpu = extend_gpu.cpu(), seq_gpu.cpu()
 
         def gpu_step():
-            module.plan_online_prefill(extend_gpu, seq_gpu, compress_gpu, write_gpu, True, counts)
+            module.plan_online_prefill_counted(extend_gpu, seq_gpu, compress_gpu, write_gpu, True, counts)
 
         def host_step_with_copies():
             lens_e, lens_s = extend_gpu.cpu(), seq_gpu.cpu()  # each a D2H copy and a sync
@@ -112,7 +112,7 @@ def planner_rows(module, batches=BATCHES, seed: int = 0, iters: int = 30) -> lis
         }
         for impl, us in timings.items():
             rows.append({"case": f"plan B={batch}", "impl": impl, "us": us, "batch": batch, "num_tokens": total,
-                         "plan_bytes": 2 * total * PLAN_ROW_BYTES})
+                         "plan_bytes": 2 * total * ROW_BYTES})
     return rows
 
 

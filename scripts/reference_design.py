@@ -1,11 +1,11 @@
-"""Builds the reference design (SPEC.md's seed kernel) for side-by-side benchmarks.
+"""Builds the reference design (the upstream contract's seed kernel) for side-by-side benchmarks.
 
     python scripts/bench.py --reference ../shared/seed/c128_online.cuh.txt
 
 The seed is not part of this project and is never copied into it: it is read
 from the path given, lines before its first line of C++ (a provenance label)
 are dropped, and the rest is compiled, as ``seed/c128_online.cuh`` in a folder
-under the JIT cache, against this project's ``include/sgl_kernel/`` (SPEC.md
+under the JIT cache, against this project's ``include/sgl_kernel/`` (``docs/SPEC.md``
 section 6 names the same interface) with the flags our own kernels get.
 """
 

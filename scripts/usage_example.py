@@ -23,13 +23,13 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
     import flash_compress as fc
 
-CHUNK = 128
+from flash_compress.plan_rows import CHUNK_SIZE  # noqa: E402
 
 
 def offline_rows(tokens: torch.Tensor, ape: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Every closed chunk's row from all its raw tokens at once (float64): what the online state must give."""
-    closed = tokens.shape[0] // CHUNK
-    t = tokens[: closed * CHUNK].double().reshape(closed, CHUNK, 2 * head_dim)
+    closed = tokens.shape[0] // CHUNK_SIZE
+    t = tokens[: closed * CHUNK_SIZE].double().reshape(closed, CHUNK_SIZE, 2 * head_dim)
     weights = torch.softmax(t[..., head_dim:] + ape.double(), dim=1)
     return (weights * t[..., :head_dim]).sum(dim=1)
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     # for the most requests the engine keeps at once. Slots need no initialisation.
     num_slots = 8
     state = torch.empty(num_slots, 1, 3 * d, device=device)
-    ape = torch.randn(CHUNK, d, generator=gen).to(device)  # a model weight: score bias by position in chunk
+    ape = torch.randn(CHUNK_SIZE, d, generator=gen).to(device)  # a model weight: score bias by position in chunk
 
     slots = [3, 5]  # request b's slot
     history = [[], []]  # raw tokens per request, kept only for the final check
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         indices = torch.tensor(slots, dtype=torch.int32, device=device)
         out = fc.decode(state, tokens, ape, indices, torch.tensor(seq, dtype=torch.int32, device=device))
         for b in range(2):
-            if seq[b] % CHUNK == 0:  # this token closed a chunk: row b of out is its compressed row
+            if seq[b] % CHUNK_SIZE == 0:  # this token closed a chunk: row b of out is its compressed row
                 rows[b].append(out[b])
             history[b].append(tokens[b : b + 1])
 

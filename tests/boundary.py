@@ -1,7 +1,7 @@
 """The boundary matrix of the compiled module's three raw functions: every bad argument, and what it must say.
 
 For each argument of ``run_decode``, ``run_prefill`` and ``plan_online_prefill``
-(``SPEC.md`` section 3) a :class:`Case` replaces that one argument of a valid
+(``docs/SPEC.md`` section 3) a :class:`Case` replaces that one argument of a valid
 call with a bad one: wrong dtype, wrong rank, wrong size in each dimension,
 a non-contiguous or misaligned view, the wrong device type, another CUDA
 device, ``None`` or a non-tensor, plans of the wrong width. Every other
@@ -32,8 +32,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from flash_compress import reference as ref
+from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
 
-CHUNK = 128
 HEAD_DIM = 128
 NUM_SLOTS = 5
 
@@ -118,7 +118,7 @@ def _state(rows: str) -> tuple[Arg, ...]:
         Arg("kv_score_buffer", ("num_slots", 1, 3 * D), torch.float32),
         Arg("kv_score_input", (rows, 2 * D), torch.float32),
         Arg("kv_compressed_output", (rows, D), torch.float32),
-        Arg("ape", (CHUNK, D), torch.float32),
+        Arg("ape", (CHUNK_SIZE, D), torch.float32),
     )
 
 
@@ -133,15 +133,15 @@ FUNCTIONS: dict[str, tuple[Arg, ...]] = {
     "run_prefill": _state("num_tokens")
     + (
         Arg("indices", ("batch_size",), torch.int32),
-        Arg("compress_plan", ("num_compress_rows", 16), torch.uint8),
-        Arg("write_plan", ("num_write_rows", 16), torch.uint8),
+        Arg("compress_plan", ("num_compress_rows", ROW_BYTES), torch.uint8),
+        Arg("write_plan", ("num_write_rows", ROW_BYTES), torch.uint8),
         Arg("load_indices", ("batch_size",), torch.int32, optional=True),
     ),
     "plan_online_prefill": (
         Arg("extend_lens", ("batch_size",), torch.int64, on_gpu=False),
         Arg("seq_lens", ("batch_size",), torch.int64, on_gpu=False),
-        Arg("compress_plan", ("num_tokens", 16), torch.uint8, on_gpu=False),
-        Arg("write_plan", ("num_tokens", 16), torch.uint8, on_gpu=False),
+        Arg("compress_plan", ("num_tokens", ROW_BYTES), torch.uint8, on_gpu=False),
+        Arg("write_plan", ("num_tokens", ROW_BYTES), torch.uint8, on_gpu=False),
         Arg("use_cuda_graph", tensor=False),
     ),
 }
@@ -166,11 +166,11 @@ def valid_values() -> dict[str, dict[str, Any]]:
         "kv_score_buffer": torch.randn(NUM_SLOTS, 1, 3 * D, generator=gen),
         "kv_score_input": torch.randn(rows, 2 * D, generator=gen),
         "kv_compressed_output": torch.full((rows, D), float("nan")),
-        "ape": torch.randn(CHUNK, D, generator=gen),
+        "ape": torch.randn(CHUNK_SIZE, D, generator=gen),
     }
     total = sum(PREFILL_EXTEND)
-    compress_plan = torch.zeros(total, 16, dtype=torch.uint8)
-    write_plan = torch.zeros(total, 16, dtype=torch.uint8)
+    compress_plan = torch.zeros(total, ROW_BYTES, dtype=torch.uint8)
+    write_plan = torch.zeros(total, ROW_BYTES, dtype=torch.uint8)
     num_compress, num_write = ref.plan_online_prefill(
         torch.tensor(PREFILL_EXTEND), torch.tensor(PREFILL_SEQ), compress_plan, write_plan, False
     )
@@ -187,8 +187,8 @@ def valid_values() -> dict[str, dict[str, Any]]:
         "plan_online_prefill": {
             "extend_lens": torch.tensor(PREFILL_EXTEND, dtype=torch.int64),
             "seq_lens": torch.tensor(PREFILL_SEQ, dtype=torch.int64),
-            "compress_plan": torch.full((total, 16), 7, dtype=torch.uint8),
-            "write_plan": torch.full((total, 16), 7, dtype=torch.uint8),
+            "compress_plan": torch.full((total, ROW_BYTES), 7, dtype=torch.uint8),
+            "write_plan": torch.full((total, ROW_BYTES), 7, dtype=torch.uint8),
             "use_cuda_graph": False,
         },
     }
@@ -361,9 +361,9 @@ def _tensor_cases(function: str, arg: Arg, valid: torch.Tensor) -> list[Case]:
         rows = valid.shape[0]
         for width in (15, 17, 32):
             add(f"width_{width}", torch.zeros(rows, width, dtype=torch.uint8), names=here,
-                fragments=("dimension 1 is 16", f"got shape [{rows}, {width}]"))
+                fragments=(f"dimension 1 is {ROW_BYTES}", f"got shape [{rows}, {width}]"))
         add("as_int32_rows", valid.view(torch.int32) if rows else torch.zeros(0, 4, dtype=torch.int32), names=here,
-            fragments=("dimension 1 is 16", f"got shape [{rows}, 4]"))
+            fragments=(f"dimension 1 is {ROW_BYTES}", f"got shape [{rows}, 4]"))
 
     add("non_contiguous", KEEP, layout="non_contiguous", names=here,
         fragments=("expected a contiguous tensor", "got a non-contiguous view"))

@@ -1,6 +1,6 @@
 """Runs the compiled kernels on host tensors: upload, launch, download, with optional guard zones.
 
-:class:`DeviceRunner` has the three functions of ``SPEC.md`` section 3 with
+:class:`DeviceRunner` has the three functions of ``docs/SPEC.md`` section 3 with
 host (CPU) tensors in and out, so anything written for the CPU reference
 (``tests/schedule.py``'s harness with ``device="cpu"``) drives the GPU
 kernels unchanged. Every call copies its inputs to the GPU, launches, and

@@ -20,9 +20,8 @@ import torch
 
 import oracle
 from flash_compress import reference as ref
+from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE, PADDING_ROW, ROW_BYTES, decode_rows, encode_rows
 
-CHUNK = 128
-SENTINEL = 0xFFFFFFFF
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 __all__ = [
@@ -52,10 +51,10 @@ def decode_keeps(slot: int, seq_len: int, num_slots: int) -> bool:
 def plan_row_keeps(row, write_pass: bool, num_tokens: int, indices, load_indices, num_slots: int) -> bool:
     """Whether ``decode_segment`` lets a prefill pass run plan row ``(ragged_id, batch_id, position, window_len)``."""
     ragged, batch, position, window = (int(v) for v in row)
-    if ragged == SENTINEL:
+    if ragged == PADDING_ROW:
         return False
-    last_pos = position % CHUNK
-    if (last_pos == CHUNK - 1) == write_pass:  # a row of the other pass
+    last_pos = position % CHUNK_SIZE
+    if (last_pos == CHUNK_SIZE - 1) == write_pass:  # a row of the other pass
         return False
     if window == 0 or window > last_pos + 1:
         return False
@@ -121,7 +120,7 @@ def _float_tensors(gen: torch.Generator, num_slots: int, head_dim: int, rows: in
         "buffer": _state(gen, num_slots, head_dim),
         "inputs": torch.randn(rows, 2 * head_dim, generator=gen),
         "output": torch.full((rows, head_dim), float("nan")),
-        "ape": torch.randn(CHUNK, head_dim, generator=gen),
+        "ape": torch.randn(CHUNK_SIZE, head_dim, generator=gen),
     }
 
 
@@ -140,7 +139,7 @@ def bad_decode_call(seed: int, head_dim: int, num_slots: int = 8, batch: int = 2
     indices, seq_lens = [], []
     for _ in range(batch):
         # Positions 127 (would write the output), 0 (would reset) and others (would store).
-        length = rng.choice([CHUNK, 2 * CHUNK, 1, CHUNK + 1, rng.randint(2, 5000)])
+        length = rng.choice([CHUNK_SIZE, 2 * CHUNK_SIZE, 1, CHUNK_SIZE + 1, rng.randint(2, 5000)])
         kind = rng.random()
         if free and kind < 0.45:
             indices.append(free.pop())
@@ -150,7 +149,7 @@ def bad_decode_call(seed: int, head_dim: int, num_slots: int = 8, batch: int = 2
             seq_lens.append(length)
         else:
             indices.append(rng.randrange(num_slots))
-            seq_lens.append(rng.choice([0, -1, -CHUNK, INT32_MIN]))
+            seq_lens.append(rng.choice([0, -1, -CHUNK_SIZE, INT32_MIN]))
     return DecodeCall(**_float_tensors(gen, num_slots, head_dim, batch), indices=_as_i32(indices),
                       seq_lens=_as_i32(seq_lens))
 
@@ -158,15 +157,15 @@ def bad_decode_call(seed: int, head_dim: int, num_slots: int = 8, batch: int = 2
 def _spoil(row: list[int], write_pass: bool, num_tokens: int, batch: int, rng: random.Random) -> list[int]:
     """``row`` changed in one field so that the skip rule rejects it (whatever the slots)."""
     ragged, b, position, window = row
-    last_pos = position % CHUNK
+    last_pos = position % CHUNK_SIZE
     options = [
-        lambda: [rng.choice([num_tokens, num_tokens + 5, SENTINEL - 1]), b, position, window],  # past the input
-        lambda: [ragged, rng.choice([batch, batch + 3, SENTINEL - 1, SENTINEL]), position, window],  # past the batch
+        lambda: [rng.choice([num_tokens, num_tokens + 5, PADDING_ROW - 1]), b, position, window],  # past the input
+        lambda: [ragged, rng.choice([batch, batch + 3, PADDING_ROW - 1, PADDING_ROW]), position, window],  # past the batch
         lambda: [ragged, b, position, 0],  # empty window
         lambda: [ragged, b, position, last_pos + 2 + rng.randint(0, 1000)],  # starts before the chunk
-        lambda: [SENTINEL, b, position, window],  # padding
+        lambda: [PADDING_ROW, b, position, window],  # padding
         # A row of the other pass: compress rows that do not close a chunk, write rows that do.
-        lambda: [ragged, b, position | (CHUNK - 1), window] if write_pass else [ragged, b, position - 1, window],
+        lambda: [ragged, b, position | (CHUNK_SIZE - 1), window] if write_pass else [ragged, b, position - 1, window],
     ]
     if window >= 2:
         options.append(lambda: [window - 2, b, position, window])  # window starts before row 0
@@ -184,24 +183,24 @@ def bad_prefill_call(seed: int, head_dim: int, num_slots: int = 16) -> PrefillCa
     extend = [rng.choice([1, rng.randint(2, 40), rng.randint(100, 300)]) for _ in range(batch)]
     seq = [e + rng.choice([0, 5, 127, 128, rng.randint(0, 600)]) for e in extend]
     total = sum(extend)
-    cp = torch.zeros(total, 16, dtype=torch.uint8)
-    wp = torch.zeros(total, 16, dtype=torch.uint8)
+    cp = torch.zeros(total, ROW_BYTES, dtype=torch.uint8)
+    wp = torch.zeros(total, ROW_BYTES, dtype=torch.uint8)
     num_compress, num_write = ref.plan_online_prefill(torch.tensor(extend), torch.tensor(seq), cp, wp, False)
     rows = {}
     for name, plan, n, write_pass in (("compress", cp, num_compress, False), ("write", wp, num_write, True)):
-        decoded = ref.decode_plan(plan[:n]).tolist()
+        decoded = decode_rows(plan[:n]).tolist()
         decoded = [_spoil(r, write_pass, total, batch, rng) if rng.random() < 0.3 else r for r in decoded]
         # CUDA-graph padding in between and at the end, as a padded plan would have.
         for _ in range(rng.randint(0, 3)):
-            decoded.insert(rng.randint(0, len(decoded)), [SENTINEL] * 4)
+            decoded.insert(rng.randint(0, len(decoded)), [PADDING_ROW] * 4)
         rows[name] = decoded
     for b in range(batch):  # some requests write to / read from a slot outside the pool
         if rng.random() < 0.2:
             targets[b] = rng.choice(bad_slots(num_slots))
         if rng.random() < 0.2:
             loads[b] = rng.choice(bad_slots(num_slots))
-    return _prefill_call(gen, num_slots, head_dim, total, targets, ref.encode_plan(rows["compress"]),
-                         ref.encode_plan(rows["write"]), loads)
+    return _prefill_call(gen, num_slots, head_dim, total, targets, encode_rows(rows["compress"]),
+                         encode_rows(rows["write"]), loads)
 
 
 # ---------------------------------------------------------------------------
@@ -218,7 +217,7 @@ def _reference_decode(call: DecodeCall) -> tuple[torch.Tensor, torch.Tensor, set
         sub_out = output[keep].clone()
         ref.run_decode(buffer, call.inputs[keep], sub_out, call.ape, call.indices[keep], call.seq_lens[keep])
         output[keep] = sub_out
-    closes = {b for b in keep if (int(call.seq_lens[b]) - 1) % CHUNK == CHUNK - 1}
+    closes = {b for b in keep if (int(call.seq_lens[b]) - 1) % CHUNK_SIZE == CHUNK_SIZE - 1}
     written_slots = {int(call.indices[b]) for b in keep if b not in closes}
     return buffer, output, written_slots, closes
 
@@ -233,8 +232,8 @@ def _reference_prefill(call: PrefillCall) -> tuple[torch.Tensor, torch.Tensor, s
     # Rows that use a slot outside the pool are not kept, so any in-pool stand-in slot gives the same result.
     clamp = lambda t: torch.where((t >= 0) & (t < num_slots), t, torch.zeros_like(t))  # noqa: E731
     buffer, output = call.buffer.clone(), call.output.clone()
-    ref.run_prefill(buffer, call.inputs, output, call.ape, clamp(call.indices), ref.encode_plan(kept["compress"]),
-                    ref.encode_plan(kept["write"]), clamp(call.load_indices))
+    ref.run_prefill(buffer, call.inputs, output, call.ape, clamp(call.indices), encode_rows(kept["compress"]),
+                    encode_rows(kept["write"]), clamp(call.load_indices))
     written_slots = {int(call.indices[r[1]]) for r in kept["write"]}
     written_rows = {r[0] for r in kept["compress"]}
     return buffer, output, written_slots, written_rows
@@ -274,8 +273,8 @@ def check_against_reference(call: Any, got_buffer: torch.Tensor, got_output: tor
 
 def _non_padding(plan: torch.Tensor) -> list[list[int]]:
     """The plan's rows other than sentinel rows (which every pass skips), decoded."""
-    rows = ref.decode_plan(plan)
-    return rows[rows[:, 0] != SENTINEL].tolist()
+    rows = decode_rows(plan)
+    return rows[rows[:, 0] != PADDING_ROW].tolist()
 
 
 def spoilt_row_count(call: PrefillCall) -> int:
@@ -300,12 +299,12 @@ def long_padded_call(seed: int, head_dim: int, rows: int, num_slots: int = 8) ->
     gen = torch.Generator().manual_seed(seed)
     extend, seq = [300, 7, 129], [300, 200, 400]
     total = sum(extend)
-    cp = torch.zeros(total, 16, dtype=torch.uint8)
-    wp = torch.zeros(total, 16, dtype=torch.uint8)
+    cp = torch.zeros(total, ROW_BYTES, dtype=torch.uint8)
+    wp = torch.zeros(total, ROW_BYTES, dtype=torch.uint8)
     num_compress, num_write = ref.plan_online_prefill(torch.tensor(extend), torch.tensor(seq), cp, wp, False)
     plans = []
     for plan, n in ((cp, num_compress), (wp, num_write)):
-        padded = torch.full((rows, 16), 0xFF, dtype=torch.uint8)
+        padded = torch.full((rows, ROW_BYTES), PADDING_BYTE, dtype=torch.uint8)
         padded[sorted(rng.sample(range(rows), n))] = plan[:n]
         plans.append(padded)
     return _prefill_call(gen, num_slots, head_dim, total, [1, 3, 5], plans[0], plans[1], [1, 2, 5])
@@ -318,7 +317,7 @@ def random_bytes_call(seed: int, head_dim: int, num_slots: int = 6) -> PrefillCa
     tokens, batch, rows = int(rng.integers(1, 300)), int(rng.integers(1, 8)), int(rng.integers(1, 64))
     plans = []
     for _ in range(2):
-        raw = rng.integers(0, 256, size=(rows, 16), dtype=np.uint8)
+        raw = rng.integers(0, 256, size=(rows, ROW_BYTES), dtype=np.uint8)
         # Half the rows with small fields, so some pass the checks and actually run.
         small = rng.random(rows) < 0.5
         fields = raw.view("<u4").reshape(rows, 4)

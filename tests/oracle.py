@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-CHUNK = 128
+from flash_compress.plan_rows import CHUNK_SIZE
+
 ROW_RTOL = 2e-5
 MAX_TOL = 1e-6
 SUM_RTOL = 2e-5
 
 __all__ = [
-    "CHUNK",
     "MAX_TOL",
     "ROW_RTOL",
     "SUM_RTOL",
@@ -57,7 +57,7 @@ def chunk_output(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, k: in
     ``kv`` and ``score`` are the request's full token history ``[L, D]``
     (position ``t`` at row ``t``, ``L >= 128(k+1)``), ``ape`` is ``[128, D]``.
     """
-    lo, hi = CHUNK * k, CHUNK * (k + 1)
+    lo, hi = CHUNK_SIZE * k, CHUNK_SIZE * (k + 1)
     if kv.shape[0] < hi:
         raise ValueError(f"chunk {k} is not closed: history has {kv.shape[0]} tokens")
     logits = _f64(score[lo:hi]) + _f64(ape)
@@ -67,7 +67,7 @@ def chunk_output(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, k: in
 
 def chunk_outputs(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
     """Rows ``[L // 128, D]`` float64 of every closed chunk of the history."""
-    rows = [chunk_output(kv, score, ape, k) for k in range(kv.shape[0] // CHUNK)]
+    rows = [chunk_output(kv, score, ape, k) for k in range(kv.shape[0] // CHUNK_SIZE)]
     if not rows:
         return torch.zeros(0, kv.shape[1], dtype=torch.float64)
     return torch.stack(rows)
@@ -88,7 +88,7 @@ def partial_state(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor) -> P
     Computed offline over the open chunk's tokens ``128*(L//128) .. L-1``.
     """
     length = kv.shape[0]
-    n = length % CHUNK
+    n = length % CHUNK_SIZE
     if n == 0:
         return None
     lo = length - n

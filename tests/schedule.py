@@ -1,7 +1,7 @@
 """An engine-like random schedule driver for any online-c128 implementation.
 
 ``impl`` is anything with ``run_decode``, ``run_prefill`` and
-``plan_online_prefill`` taking tensors as ``SPEC.md`` section 3 says: the
+``plan_online_prefill`` taking tensors as ``docs/SPEC.md`` section 3 says: the
 :mod:`flash_compress.reference` module, or a compiled module from
 ``flash_compress.load_module(head_dim)`` (whose planner returns a
 ``tvm_ffi.Array``; counts are normalised with ``tuple(int(x) for x in r)``).
@@ -57,12 +57,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 import oracle
-
-CHUNK = oracle.CHUNK
-SENTINEL_BYTE = 0xFF
+from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE, ROW_BYTES
 
 __all__ = [
-    "CHUNK",
     "Request",
     "ScheduleHarness",
     "ScheduleStats",
@@ -95,8 +92,8 @@ def plan_with(
     """
     total = sum(int(e) for e in extend_lens) if rows is None else rows
     gen = torch.Generator().manual_seed(fill_seed)
-    compress_plan = torch.randint(0, 256, (total, 16), dtype=torch.uint8, generator=gen)
-    write_plan = torch.randint(0, 256, (total, 16), dtype=torch.uint8, generator=gen)
+    compress_plan = torch.randint(0, 256, (total, ROW_BYTES), dtype=torch.uint8, generator=gen)
+    write_plan = torch.randint(0, 256, (total, ROW_BYTES), dtype=torch.uint8, generator=gen)
     counts = counts_of(
         impl.plan_online_prefill(
             torch.tensor(list(extend_lens), dtype=torch.int64),
@@ -118,18 +115,18 @@ def choose_extend(rng: random.Random, length: int, budget: int) -> tuple[int, st
     extends, and first prefills of 1 / 127 / 128 / 129 / 256 / random tokens.
     """
     budget = max(1, budget)
-    r = length % CHUNK
-    to_close = CHUNK - r  # extend that makes the new length a multiple of 128
+    r = length % CHUNK_SIZE
+    to_close = CHUNK_SIZE - r  # extend that makes the new length a multiple of 128
     options: list[tuple[int, str]] = [(1, "one"), (rng.randint(2, 16), "small")]
     if to_close > 1:
         options.append((rng.randint(1, to_close - 1), "inside"))
     options += [
         (to_close, "close"),
-        (to_close - 1 + CHUNK * rng.randint(0, 1), "end127"),
-        (to_close + 1 + CHUNK * rng.randint(0, 1), "end1"),
-        (to_close + rng.randint(1, CHUNK - 1), "cross1"),
-        (to_close + CHUNK * rng.randint(1, 4) + rng.randint(0, CHUNK - 1), "cross_many"),
-        (CHUNK * rng.randint(1, 3), "aligned"),
+        (to_close - 1 + CHUNK_SIZE * rng.randint(0, 1), "end127"),
+        (to_close + 1 + CHUNK_SIZE * rng.randint(0, 1), "end1"),
+        (to_close + rng.randint(1, CHUNK_SIZE - 1), "cross1"),
+        (to_close + CHUNK_SIZE * rng.randint(1, 4) + rng.randint(0, CHUNK_SIZE - 1), "cross_many"),
+        (CHUNK_SIZE * rng.randint(1, 3), "aligned"),
     ]
     if length == 0:
         options += [(n, f"first{n}") for n in (1, 127, 128, 129, 256)]
@@ -160,20 +157,20 @@ class Request:
         """Appends new tokens (float64 CPU ``[n, D]``); returns ``{position: oracle row}`` of every chunk they close."""
         full_kv = kv if self.kv is None else torch.cat([self.kv, kv])
         full_score = score if self.score is None else torch.cat([self.score, score])
-        closed = full_kv.shape[0] // CHUNK
+        closed = full_kv.shape[0] // CHUNK_SIZE
         rows = {
-            self.base + CHUNK * k + CHUNK - 1: oracle.chunk_output(full_kv, full_score, ape64, k)
+            self.base + CHUNK_SIZE * k + CHUNK_SIZE - 1: oracle.chunk_output(full_kv, full_score, ape64, k)
             for k in range(closed)
         }
-        self.kv = full_kv[CHUNK * closed :].clone()
-        self.score = full_score[CHUNK * closed :].clone()
-        self.base += CHUNK * closed
+        self.kv = full_kv[CHUNK_SIZE * closed :].clone()
+        self.score = full_score[CHUNK_SIZE * closed :].clone()
+        self.base += CHUNK_SIZE * closed
         self.length += kv.shape[0]
         return rows
 
     def open_state(self, ape64: torch.Tensor) -> Optional[oracle.PartialState]:
         """The oracle's state of the open chunk, or None at a chunk boundary."""
-        if self.kv is None or self.length % CHUNK == 0:
+        if self.kv is None or self.length % CHUNK_SIZE == 0:
             return None
         return oracle.partial_state(self.kv, self.score, ape64)
 
@@ -256,7 +253,7 @@ class ScheduleHarness:
         self.max_step_tokens = max_step_tokens
         self.finish_prob = finish_prob
         self.score_scale = score_scale
-        ape = torch.randn(CHUNK, head_dim, generator=self.gen) * ape_scale
+        ape = torch.randn(CHUNK_SIZE, head_dim, generator=self.gen) * ape_scale
         self.ape64 = ape.to(torch.float64)
         self.ape = ape.to(self.device)
         self.buffer = torch.full((num_slots, 1, 3 * head_dim), float("nan"), device=self.device)
@@ -357,7 +354,7 @@ class ScheduleHarness:
                 self.stats.decode_closes += 1
             else:
                 written[request.slot] = request
-            self.stats.decode_resets += int(position % CHUNK == 0)
+            self.stats.decode_resets += int(position % CHUNK_SIZE == 0)
         what = f"decode step {self.stats.decode_calls} (batch {n})"
         self._check_outputs(out, expected, what)
         self._check_buffer(before, written, what)
@@ -387,8 +384,8 @@ class ScheduleHarness:
         load_list = [r.slot for r, _, _ in batch]
 
         # Plan on the host, into plans full of random bytes (so unwritten rows show).
-        compress_cpu = torch.randint(0, 256, (total, 16), dtype=torch.uint8, generator=self.gen)
-        write_cpu = torch.randint(0, 256, (total, 16), dtype=torch.uint8, generator=self.gen)
+        compress_cpu = torch.randint(0, 256, (total, ROW_BYTES), dtype=torch.uint8, generator=self.gen)
+        write_cpu = torch.randint(0, 256, (total, ROW_BYTES), dtype=torch.uint8, generator=self.gen)
         counts = counts_of(
             self.planner.plan_online_prefill(
                 torch.tensor(extend_lens, dtype=torch.int64),
@@ -399,14 +396,14 @@ class ScheduleHarness:
             )
         )
         want_compress = sum(
-            len(range(r.length + (CHUNK - 1 - r.length % CHUNK), r.length + e, CHUNK)) for r, e, _ in batch
+            len(range(r.length + (CHUNK_SIZE - 1 - r.length % CHUNK_SIZE), r.length + e, CHUNK_SIZE)) for r, e, _ in batch
         )
-        want_write = sum(1 for n in seq_lens if n % CHUNK != 0)
+        want_write = sum(1 for n in seq_lens if n % CHUNK_SIZE != 0)
         what = f"prefill step {self.stats.prefill_calls} (extends {extend_lens}, cuda_graph={use_cuda_graph})"
         if use_cuda_graph:
             assert counts == (total, total), f"{what}: planner returned {counts}, want {(total, total)}"
             for name, plan, n in (("compress", compress_cpu, want_compress), ("write", write_cpu, want_write)):
-                assert bool((plan[n:] == SENTINEL_BYTE).all()), f"{what}: {name} plan padding past row {n} is not all 0xFF"
+                assert bool((plan[n:] == PADDING_BYTE).all()), f"{what}: {name} plan padding past row {n} is not all 0xFF"
             compress_plan, write_plan = compress_cpu, write_cpu
             self.stats.cuda_graph_plans += 1
         else:
@@ -437,8 +434,8 @@ class ScheduleHarness:
         offset = 0
         for (request, extend, new_slot), slot in zip(batch, indices_list):
             prefix = request.length
-            if prefix % CHUNK in (CHUNK - 1, 0, 1) and prefix > 0:
-                key = prefix % CHUNK
+            if prefix % CHUNK_SIZE in (CHUNK_SIZE - 1, 0, 1) and prefix > 0:
+                key = prefix % CHUNK_SIZE
                 self.stats.prefix_mod[key] = self.stats.prefix_mod.get(key, 0) + 1
             closed = request.append(kv64[offset : offset + extend], score64[offset : offset + extend], self.ape64)
             for position, row in closed.items():
@@ -449,8 +446,8 @@ class ScheduleHarness:
                 self.free_slots.append(request.slot)
                 request.slot = new_slot
                 self.stats.relocations += 1
-                self.stats.relocations_mid_chunk += int(prefix % CHUNK != 0)
-            if request.length % CHUNK != 0:
+                self.stats.relocations_mid_chunk += int(prefix % CHUNK_SIZE != 0)
+            if request.length % CHUNK_SIZE != 0:
                 written[slot] = request
             offset += extend
         self._check_outputs(out, expected, what)

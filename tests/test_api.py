@@ -23,8 +23,10 @@ import flash_compress as fc
 from api_adapters import ApiImpl, OpsImpl
 from flash_compress import _debug, _dispatch
 from flash_compress import reference as ref
-from flash_compress.jit import JitDisabledError, toolchain
-from schedule import CHUNK, ScheduleHarness, run_schedule
+from flash_compress.c128_online import load_planner
+from flash_compress.jit import JitDisabledError
+from flash_compress.plan_rows import CHUNK_SIZE, decode_rows, encode_rows
+from schedule import ScheduleHarness, run_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 D = 64
@@ -32,25 +34,22 @@ D = 64
 
 @pytest.fixture
 def compiled_planner(nvcc, monkeypatch):
-    """The compiled head_dim=128 variant, loaded into the API's variant table (so it plans)."""
-    # The JIT memoises tool versions per process but writes them only into the cache
-    # it first ran them for; test_jit_nvcc's fresh-process tests need them written
-    # into their own caches, so this load keeps its memo to itself.
-    monkeypatch.setattr(toolchain, "_memory", {})
-    module = fc.load_module(head_dim=128)
-    monkeypatch.setattr(_dispatch, "_modules", {(128, None): module})
+    """The compiled planner variant, loaded as the API's planner (so it plans host plans too)."""
+    module = load_planner()
+    monkeypatch.setattr(_dispatch, "_planner", module)
     return module
 
 
 @pytest.fixture
 def no_variants(monkeypatch):
-    """An empty variant table, so the planner choice starts from nothing."""
+    """Nothing loaded, so the planner choice starts from nothing."""
     monkeypatch.setattr(_dispatch, "_modules", {})
+    monkeypatch.setattr(_dispatch, "_planner", None)
 
 
 def state_pool(slots: int = 6, d: int = D, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(slots, 1, 3 * d, generator=gen), torch.randn(CHUNK, d, generator=gen), gen)
+    return (torch.randn(slots, 1, 3 * d, generator=gen), torch.randn(CHUNK_SIZE, d, generator=gen), gen)
 
 
 # ---------------------------------------------------------------------------
@@ -82,16 +81,17 @@ def test_plan_prefill_without_a_loaded_variant_plans_cpu_plans_with_the_referenc
         raise AssertionError("planning for the CPU must not compile a variant")
 
     monkeypatch.setattr(_dispatch, "load_module", must_not_load)
+    monkeypatch.setattr(_dispatch, "load_planner", must_not_load)
     plan = fc.plan_prefill(torch.tensor([130]), torch.tensor([130]), device="cpu")
     assert (plan.num_compress, plan.num_write) == (1, 1)
-    assert ref.decode_plan(plan.compress_plan).tolist() == [[127, 0, 127, 128]]
+    assert decode_rows(plan.compress_plan).tolist() == [[127, 0, 127, 128]]
 
 
 def test_planner_falls_back_to_the_reference_when_nothing_loads(no_variants, monkeypatch):
     def disabled(*args, **kwargs):
-        raise JitDisabledError("c128_online_hd512", "no CUDA toolkit", Path("/nowhere"), ("9.0",))
+        raise JitDisabledError("c128_planner_pdl1", "no CUDA compiler", Path("/nowhere"), ("9.0",))
 
-    monkeypatch.setattr(_dispatch, "load_module", disabled)
+    monkeypatch.setattr(_dispatch, "load_planner", disabled)
     assert _dispatch.planner() is ref
 
 
@@ -161,7 +161,7 @@ def test_prefill_allocates_out_and_matches_the_reference():
     out = fc.prefill(got_buf, inp, ape, idx, plan)
     want = torch.full((260, D), float("nan"))
     ref.run_prefill(want_buf, inp, want, ape, idx, plan.compress_plan, plan.write_plan, None)
-    rows = ref.decode_plan(plan.compress_plan)[:, 0].tolist()
+    rows = decode_rows(plan.compress_plan)[:, 0].tolist()
     assert out.shape == (260, D) and len(rows) == 2
     assert torch.equal(out[rows], want[rows]) and torch.equal(got_buf, want_buf)
 
@@ -232,7 +232,7 @@ def test_debug_decode_rejects_values_naming_the_argument(debug_mode):
 
 
 def _plan_of(rows_c, rows_w) -> fc.PrefillPlan:
-    return fc.PrefillPlan(ref.encode_plan(rows_c), ref.encode_plan(rows_w), len(rows_c), len(rows_w), False)
+    return fc.PrefillPlan(encode_rows(rows_c), encode_rows(rows_w), len(rows_c), len(rows_w), False)
 
 
 @pytest.mark.parametrize(
@@ -305,14 +305,14 @@ def test_errors_name_the_argument():
 def _decode_args(gen, batch=3):
     buf = torch.randn(6, 1, 3 * D, generator=gen)
     return (buf, torch.randn(batch, 2 * D, generator=gen), torch.full((batch, D), float("nan")),
-            torch.randn(CHUNK, D, generator=gen), torch.tensor([0, 2, 4], dtype=torch.int32)[:batch],
+            torch.randn(CHUNK_SIZE, D, generator=gen), torch.tensor([0, 2, 4], dtype=torch.int32)[:batch],
             torch.tensor([128, 5, 1], dtype=torch.int32)[:batch])
 
 
 def _prefill_args(gen):
     plan = fc.plan_prefill(torch.tensor([300, 60]), torch.tensor([200, 60]), device="cpu")
     return (torch.randn(6, 1, 3 * D, generator=gen), torch.randn(260, 2 * D, generator=gen),
-            torch.full((260, D), float("nan")), torch.randn(CHUNK, D, generator=gen),
+            torch.full((260, D), float("nan")), torch.randn(CHUNK_SIZE, D, generator=gen),
             torch.tensor([1, 3], dtype=torch.int32), plan.compress_plan, plan.write_plan,
             torch.tensor([5, 3], dtype=torch.int32))
 
@@ -352,7 +352,7 @@ def test_torch_compile_fullgraph_calls_the_ops_and_matches_eager():
         return rows, fc.decode(buf, decode_input, ape, indices, seq_lens)
 
     gen = torch.Generator().manual_seed(4)
-    buf, ape = torch.randn(6, 1, 3 * D, generator=gen), torch.randn(CHUNK, D, generator=gen)
+    buf, ape = torch.randn(6, 1, 3 * D, generator=gen), torch.randn(CHUNK_SIZE, D, generator=gen)
     plan = fc.plan_prefill(torch.tensor([300, 60]), torch.tensor([200, 60]), device="cpu")
     args = (torch.randn(260, 2 * D, generator=gen), torch.randn(2, 2 * D, generator=gen), ape,
             torch.tensor([1, 3], dtype=torch.int32), plan, torch.tensor([301, 61], dtype=torch.int32))
@@ -364,7 +364,7 @@ def test_torch_compile_fullgraph_calls_the_ops_and_matches_eager():
                if node.op == "call_function"]
     assert "flash_compress.prefill" in targets and "flash_compress.decode" in targets, targets
     assert len(graphs) == 1
-    rows = ref.decode_plan(plan.compress_plan)[:, 0].tolist()
+    rows = decode_rows(plan.compress_plan)[:, 0].tolist()
     assert torch.equal(got_rows[rows], want_rows[rows]) and torch.equal(got_buf, want_buf)
 
 

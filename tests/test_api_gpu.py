@@ -17,7 +17,8 @@ import flash_compress as fc
 import oracle
 from api_adapters import ApiImpl, OpsImpl
 from flash_compress import reference as ref
-from schedule import CHUNK, run_schedule
+from flash_compress.plan_rows import CHUNK_SIZE, PADDING_ROW, decode_rows
+from schedule import run_schedule
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +27,7 @@ DEV = "cuda"
 
 def _rows_of(plan: fc.PrefillPlan) -> list[int]:
     """The rows of ``out`` a plan writes (its compress rows' ragged ids, padding dropped)."""
-    return [int(r[0]) for r in ref.decode_plan(plan.compress_plan) if r[0] != ref.PLAN_SENTINEL]
+    return [int(r[0]) for r in decode_rows(plan.compress_plan) if r[0] != PADDING_ROW]
 
 
 def _random_step(gen, seq, extend, d):
@@ -58,7 +59,7 @@ def test_api_prefill_and_decode_against_the_reference_with_poisoned_outputs(gpu)
     d = 512
     gen = torch.Generator().manual_seed(5)
     state = torch.randn(8, 1, 3 * d, generator=gen).to(DEV)
-    ape = torch.randn(CHUNK, d, generator=gen).to(DEV)
+    ape = torch.randn(CHUNK_SIZE, d, generator=gen).to(DEV)
     want_state = state.clone()
     idx = torch.tensor([6, 1, 3], dtype=torch.int32, device=DEV)
     load = torch.tensor([2, 1, 0], dtype=torch.int32, device=DEV)
@@ -100,7 +101,7 @@ def _compile_step(d):
     state = torch.randn(6, 1, 3 * d, generator=gen).to(DEV)
     seq, extend, inp = _random_step(gen, [300, 60], [200, 60], d)
     plan = fc.plan_prefill(seq, extend, device=DEV)
-    args = (inp, torch.randn(2, 2 * d, generator=gen).to(DEV), torch.randn(CHUNK, d, generator=gen).to(DEV),
+    args = (inp, torch.randn(2, 2 * d, generator=gen).to(DEV), torch.randn(CHUNK_SIZE, d, generator=gen).to(DEV),
             torch.tensor([1, 3], dtype=torch.int32, device=DEV), plan,
             torch.tensor([301, 61], dtype=torch.int32, device=DEV))
     return step, state, args, plan
@@ -125,7 +126,7 @@ def test_cuda_graph_replay_with_new_inputs_and_plans_equals_eager(gpu, through_o
     """Capture prefill (CUDA-graph plans) + decode once; replay with new tokens, lengths and plans."""
     d, slots = 256, 8
     gen = torch.Generator().manual_seed(9)
-    ape = torch.randn(CHUNK, d, generator=gen).to(DEV)
+    ape = torch.randn(CHUNK_SIZE, d, generator=gen).to(DEV)
     indices = torch.tensor([2, 5], dtype=torch.int32, device=DEV)
     m = 400  # tokens per prefill step, the captured shape
     static_state = torch.randn(slots, 1, 3 * d, generator=gen).to(DEV)
@@ -191,7 +192,7 @@ def test_debug_mode_refuses_bad_slots_before_launching(gpu, monkeypatch):
     monkeypatch.setenv("FLASH_COMPRESS_DEBUG", "1")
     d = 128
     state = torch.zeros(4, 1, 3 * d, device=DEV)
-    ape = torch.zeros(CHUNK, d, device=DEV)
+    ape = torch.zeros(CHUNK_SIZE, d, device=DEV)
     inp = torch.zeros(1, 2 * d, device=DEV)
     with pytest.raises(ValueError, match="'indices'"):
         fc.decode(state, inp, ape, torch.tensor([4], dtype=torch.int32, device=DEV),
@@ -206,7 +207,7 @@ def test_debug_mode_refuses_bad_slots_before_launching(gpu, monkeypatch):
 def test_raw_errors_reach_the_api_naming_the_argument(gpu):
     d = 128
     state = torch.zeros(4, 1, 3 * d, device=DEV)
-    ape = torch.zeros(CHUNK, d, device=DEV)
+    ape = torch.zeros(CHUNK_SIZE, d, device=DEV)
     idx = torch.tensor([0], dtype=torch.int32, device=DEV)
     with pytest.raises(TypeError, match="seq_lens"):
         fc.decode(state, torch.zeros(1, 2 * d, device=DEV), ape, idx, torch.tensor([3], device=DEV))
@@ -218,16 +219,13 @@ def test_raw_errors_reach_the_api_naming_the_argument(gpu):
 
 
 # ---------------------------------------------------------------------------
-# The GPU planner (lengths on the device): runs where the raw module has it.
+# The GPU planner (lengths on the device).
 # ---------------------------------------------------------------------------
 
 
 @pytest.fixture
 def gpu_planner(gpu):
-    try:
-        fc.plan_prefill(torch.tensor([5], device=DEV), torch.tensor([5], device=DEV), device=DEV, num_tokens=5)
-    except NotImplementedError as exc:
-        pytest.skip(f"the compiled planner has no GPU path in this build: {exc}")
+    """A GPU; the compiled planner (plan_online_prefill_counted) always has the GPU path."""
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
@@ -256,4 +254,4 @@ def test_gpu_planner_flags_bad_lengths_and_debug_mode_refuses_the_plan(gpu_plann
     d = 128
     with pytest.raises(ValueError, match="'plan'.*error flag"):
         fc.prefill(torch.zeros(2, 1, 3 * d, device=DEV), torch.zeros(6, 2 * d, device=DEV),
-                   torch.zeros(CHUNK, d, device=DEV), torch.tensor([0], dtype=torch.int32, device=DEV), plan)
+                   torch.zeros(CHUNK_SIZE, d, device=DEV), torch.tensor([0], dtype=torch.int32, device=DEV), plan)

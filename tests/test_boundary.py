@@ -17,6 +17,7 @@ import torch
 import boundary
 from conftest import cuda_available
 from flash_compress import reference as ref
+from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
 
 REAL_GPU = cuda_available()
 CASES = boundary.all_cases()
@@ -127,7 +128,7 @@ def _reference_cases():
             if not arg.tensor:
                 continue
             valid = values[function][arg.name]
-            shared = tuple(a.name for a in args if a.tensor and set(a.dims) & set(arg.dims) - {1, 16, boundary.CHUNK})
+            shared = tuple(a.name for a in args if a.tensor and set(a.dims) & set(arg.dims) - {1, ROW_BYTES, CHUNK_SIZE})
             if arg.name in _STATE_TENSORS:  # the reference reads head_dim off ape, then checks the others
                 shared += _STATE_TENSORS
             bad = {"dtype": (valid.to(_REFERENCE_DTYPES[arg.dtype]), TypeError),

@@ -20,14 +20,8 @@ pytestmark = pytest.mark.nvcc
 def module():
     """The compiled head_dim=128 variant (compiled once, then loaded from the cache)."""
     import flash_compress
-    from flash_compress.jit import toolchain
 
-    # The JIT memoises tool versions per process but writes them only into the cache
-    # it first ran them for; test_jit_nvcc's fresh-process tests need them written
-    # into their own caches, so this load keeps its memo to itself.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(toolchain, "_memory", {})
-        yield flash_compress.load_module(head_dim=128)
+    return flash_compress.load_module(head_dim=128)
 
 
 @pytest.mark.parametrize("graph", [False, True])

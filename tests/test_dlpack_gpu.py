@@ -19,7 +19,7 @@ import torch
 import flash_compress as fc
 import oracle
 from flash_compress import reference as ref
-from schedule import CHUNK
+from flash_compress.plan_rows import CHUNK_SIZE, decode_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +38,7 @@ def decode_case(seed: int = 0):
     return {
         "state": torch.randn(4, 1, 3 * D, generator=gen),
         "inp": torch.randn(3, 2 * D, generator=gen),
-        "ape": torch.randn(CHUNK, D, generator=gen),
+        "ape": torch.randn(CHUNK_SIZE, D, generator=gen),
         "indices": torch.tensor([2, 0, 3], dtype=torch.int32),
         "seq_lens": torch.tensor([1, 70, 128], dtype=torch.int32),
     }
@@ -93,7 +93,7 @@ def test_raw_functions_on_cupy_arrays_on_a_cupy_stream(gpu, module):
     module.run_prefill(c_state, cupy.asarray(inp.numpy()), c_out, arrays["ape"], cupy.asarray(idx.numpy()),
                        cupy.asarray(plan.compress_plan.numpy()), cupy.asarray(plan.write_plan.numpy()), None)
     cupy.cuda.Device().synchronize()
-    rows = ref.decode_plan(plan.compress_plan)[:, 0].tolist()
+    rows = decode_rows(plan.compress_plan)[:, 0].tolist()
     oracle.assert_rows_close(torch.from_dlpack(c_out)[rows].cpu(), want_out2[rows], "prefill rows")
     oracle.assert_rows_close(torch.from_dlpack(c_state)[1].cpu(), want_state2[1], "prefill state")
 

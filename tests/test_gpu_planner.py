@@ -21,13 +21,13 @@ import torch
 
 import oracle
 from flash_compress import reference as ref
-from schedule import CHUNK, counts_of, plan_with
+from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE
+from schedule import counts_of, plan_with
 from test_planner import LIMIT_CASES
 
 pytestmark = pytest.mark.nvcc
 
 ERRORS = (ValueError, TypeError, RuntimeError)
-SENTINEL = 0xFF
 # Error flag bits (csrc/deepseek_v4/c128_plan.cuh, docs/GPU_PLANNER.md).
 EXTEND_NOT_POSITIVE, EXTEND_EXCEEDS_SEQ, SEQ_TOO_LONG, SUM_MISMATCH = 1, 2, 4, 8
 
@@ -57,7 +57,8 @@ def gpu_plan(module, extend, seq, *, dtypes=(torch.int64, torch.int64), rows=Non
     if use_counts:
         counts = torch.full((3,), -7, dtype=counts_dtype, device="cuda")
         args.append(counts)
-    result = counts_of(module.plan_online_prefill(*args))
+    plan = module.plan_online_prefill_counted if use_counts else module.plan_online_prefill
+    result = counts_of(plan(*args))
     torch.cuda.synchronize()
     return result, compress.cpu(), write.cpu(), None if counts is None else counts.cpu().tolist()
 
@@ -201,7 +202,7 @@ def test_invalid_lengths_give_all_sentinel_plans_and_a_flag(gpu, case, dtypes):
         pytest.skip("seq_len does not fit int32")
     result, c, w, counts = gpu_plan(kernels(), extend, seq, rows=rows, dtypes=dtypes)
     assert result == (rows, rows)
-    assert bool((c == SENTINEL).all()) and bool((w == SENTINEL).all()), f"{case}: plan rows written"
+    assert bool((c == PADDING_BYTE).all()) and bool((w == PADDING_BYTE).all()), f"{case}: plan rows written"
     assert counts == [0, 0, flag], f"{case}: counts {counts}, want [0, 0, {flag}]"
 
 
@@ -213,9 +214,9 @@ def test_a_bad_plan_then_a_good_one_into_the_same_buffers(gpu):
     write = torch.zeros_like(compress)
     counts = torch.zeros(3, dtype=torch.int32, device="cuda")
     lens = lambda *v: torch.tensor(v, dtype=torch.int64, device="cuda")  # noqa: E731
-    module.plan_online_prefill(lens(0, 6), lens(4, 6), compress, write, True, counts)
+    module.plan_online_prefill_counted(lens(0, 6), lens(4, 6), compress, write, True, counts)
     assert counts.tolist() == [0, 0, EXTEND_NOT_POSITIVE]
-    module.plan_online_prefill(lens(4, 2), lens(130, 4), compress, write, True, counts)
+    module.plan_online_prefill_counted(lens(4, 2), lens(130, 4), compress, write, True, counts)
     (_, _), host_c, host_w = plan_with(module, [4, 2], [130, 4], True)
     assert counts.tolist() == [1, 2, 0]  # request 0 closes chunk 0 and goes on; both end mid-chunk
     assert torch.equal(compress.cpu(), host_c) and torch.equal(write.cpu(), host_w)
@@ -247,20 +248,20 @@ def test_gpu_path_argument_errors_raise_and_name_the_argument(gpu):
     ]
     for name, args in bad:
         with pytest.raises(ERRORS, match=f"'{name}'"):
-            module.plan_online_prefill(*args[:4], True, args[4])
+            module.plan_online_prefill_counted(*args[:4], True, args[4])
 
 
 # No GPU needed: the host path and the new argument's boundary.
 
 
 class _SixArguments:
-    """The compiled planner, always called with a trailing ``counts=None``."""
+    """The compiled planner's counted export, always called with a trailing ``counts=None``."""
 
     def __init__(self, module):
         self.module = module
 
     def plan_online_prefill(self, *args):
-        return self.module.plan_online_prefill(*args, None)
+        return self.module.plan_online_prefill_counted(*args, None)
 
 
 def test_counts_with_host_lengths_raise():
@@ -268,7 +269,7 @@ def test_counts_with_host_lengths_raise():
     lens = torch.tensor([3], dtype=torch.int64)
     plan = torch.zeros(3, 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match="'counts'"):
-        module.plan_online_prefill(lens, lens, plan, plan.clone(), True, torch.zeros(3, dtype=torch.int32))
+        module.plan_online_prefill_counted(lens, lens, plan, plan.clone(), True, torch.zeros(3, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("graph", [False, True])
@@ -280,14 +281,39 @@ def test_host_path_with_none_counts_is_the_five_argument_call(graph):
         assert got[0] == want[0] and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
-@pytest.mark.parametrize("nargs", [0, 4, 7])
-def test_wrong_argument_counts_raise_type_error(nargs):
+def test_the_planner_variant_writes_the_kernel_variants_bytes():
+    from flash_compress.c128_online import load_planner
+
+    planner = load_planner(use_pdl=True)
+    for graph in (False, True):
+        for extend, seq in ([[3, 130, 1], [130, 130, 7]], [[1000, 1], [1100, 1]]):
+            want = plan_with(kernels(), extend, seq, graph, fill_seed=2)
+            got = plan_with(planner, extend, seq, graph, fill_seed=2)
+            assert got[0] == want[0] and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+@pytest.mark.gpu
+def test_the_planner_variant_plans_on_the_gpu_as_the_kernel_variants(gpu):
+    from flash_compress.c128_online import load_planner
+
+    planner = load_planner(use_pdl=True)
+    for extend, seq in (([3, 130, 1], [130, 130, 7]), ([5], [15]), ([0, 4], [4, 4])):
+        want = gpu_plan(kernels(), extend, seq, fill_seed=3)
+        got = gpu_plan(planner, extend, seq, fill_seed=3)
+        assert got[0] == want[0] and got[3] == want[3]
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize(("export", "nargs"), [("plan_online_prefill", n) for n in (0, 4, 6)]
+                         + [("plan_online_prefill_counted", n) for n in (0, 5, 7)])
+def test_wrong_argument_counts_raise_type_error(export, nargs):
     module = kernels()
     lens = torch.tensor([3], dtype=torch.int64)
     plan = torch.zeros(3, 16, dtype=torch.uint8)
     args = [lens, lens, plan, plan.clone(), True, None, None][:nargs]
-    with pytest.raises(TypeError, match="expected 5 or 6"):
-        module.plan_online_prefill(*args)
+    expected = 5 if export == "plan_online_prefill" else 6
+    with pytest.raises(TypeError, match=f"Expected {expected} but got {nargs}"):
+        getattr(module, export)(*args)
 
 
 # --- CUDA graphs -------------------------------------------------------------------------------
@@ -327,7 +353,7 @@ def test_graph_replays_plan_and_prefill_with_new_lengths(gpu, use_pdl):
     rng = random.Random(int(use_pdl))
     gen = torch.Generator().manual_seed(int(use_pdl))
     dev = "cuda"
-    ape = torch.randn(CHUNK, d, generator=gen).to(dev)
+    ape = torch.randn(CHUNK_SIZE, d, generator=gen).to(dev)
     slot_of = [3, 0, 7, 5, 9]
     indices = torch.tensor(slot_of, dtype=torch.int32, device=dev)
     extend_lens = torch.zeros(batch, dtype=torch.int64, device=dev)
@@ -340,7 +366,7 @@ def test_graph_replays_plan_and_prefill_with_new_lengths(gpu, use_pdl):
     buf = torch.zeros(slots, 1, 3 * d, device=dev)
 
     def step():
-        module.plan_online_prefill(extend_lens, seq_lens, compress, write, True, counts)
+        module.plan_online_prefill_counted(extend_lens, seq_lens, compress, write, True, counts)
         module.run_prefill(buf, inp, out, ape, indices, compress, write, None)
 
     extend_lens.fill_(m // batch)
@@ -407,7 +433,7 @@ def test_graph_replays_the_planner_alone_at_large_batch(gpu):
     compress = torch.empty(m, 16, dtype=torch.uint8, device="cuda")
     write = torch.empty_like(compress)
     counts = torch.zeros(3, dtype=torch.int32, device="cuda")
-    graph = capture(lambda: module.plan_online_prefill(extend_lens, seq_lens, compress, write, True, counts))
+    graph = capture(lambda: module.plan_online_prefill_counted(extend_lens, seq_lens, compress, write, True, counts))
     for _ in range(3):
         extend = random_partition(rng, m, batch)
         seq = [e + rng.randint(0, 10**6) for e in extend]

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from flash_compress import reference as ref
-from schedule import CHUNK, ScheduleHarness, plan_with, run_schedule
+from flash_compress.plan_rows import CHUNK_SIZE
+from schedule import ScheduleHarness, plan_with, run_schedule
 
 pytestmark = pytest.mark.gpu
 
@@ -77,7 +78,7 @@ def test_decode_through_several_chunks(gpu, use_pdl):
     h = ScheduleHarness(module, head_dim=256, device="cuda", seed=7, num_slots=8)
     batch = [h.start_request() for _ in range(4)]
     h.prefill_step([(batch[1], 100, None), (batch[2], 127, None), (batch[3], 129, None)])
-    for _ in range(2 * CHUNK + 3):
+    for _ in range(2 * CHUNK_SIZE + 3):
         h.decode_step(batch)
     h.check_live_states()
     assert h.stats.decode_closes >= 8
@@ -100,7 +101,7 @@ def test_empty_batch_and_empty_plans_are_noops(gpu, use_pdl):
     dev = "cuda"
     buf = torch.randn(4, 1, 3 * d, device=dev)
     before = buf.clone()
-    ape = torch.randn(CHUNK, d, device=dev)
+    ape = torch.randn(CHUNK_SIZE, d, device=dev)
     none_i32 = torch.empty(0, dtype=torch.int32, device=dev)
     module.run_decode(buf, torch.empty(0, 2 * d, device=dev), torch.empty(0, d, device=dev), ape, none_i32,
                       none_i32, None)

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from flash_compress import reference as ref
-from schedule import CHUNK, plan_with
+from flash_compress.plan_rows import CHUNK_SIZE
+from schedule import plan_with
 from test_reference import ERROR_CASES, check_plan_invariants
 
 pytestmark = pytest.mark.nvcc
@@ -180,7 +181,7 @@ def test_kernels_given_cpu_tensors_raise(module):
     """No GPU needed: the device checks run on the host before any launch and name the tensor."""
     d = 128
     buf, inp, out = torch.zeros(4, 1, 3 * d), torch.zeros(2, 2 * d), torch.zeros(2, d)
-    ape, idx = torch.zeros(CHUNK, d), torch.zeros(2, dtype=torch.int32)
+    ape, idx = torch.zeros(CHUNK_SIZE, d), torch.zeros(2, dtype=torch.int32)
     plan = torch.zeros(0, 16, dtype=torch.uint8)
     with pytest.raises(ERRORS, match="kv_score_buffer"):
         module.run_decode(buf, inp, out, ape, idx, idx + 1, None)

@@ -10,9 +10,8 @@ import torch
 
 import oracle
 from flash_compress import reference as ref
-from schedule import CHUNK, ScheduleHarness, plan_with, run_schedule
-
-FF = 0xFFFFFFFF
+from flash_compress.plan_rows import CHUNK_SIZE, PADDING_ROW, decode_rows, encode_rows
+from schedule import ScheduleHarness, plan_with, run_schedule
 
 
 # ---------------------------------------------------------------------------
@@ -57,7 +56,7 @@ def test_schedule_covers_the_edge_cases():
 def test_decode_only_request_through_several_chunks():
     h = ScheduleHarness(ref, head_dim=64, seed=5)
     request = h.start_request()
-    for _ in range(3 * CHUNK + 5):
+    for _ in range(3 * CHUNK_SIZE + 5):
         h.decode_step([request])
     h.check_live_states()
     assert h.stats.decode_closes == 3 and h.stats.rows_checked == 3 and h.stats.decode_resets == 4
@@ -78,14 +77,14 @@ def test_decode_and_prefill_agree():
     d = 64
     gen = torch.Generator().manual_seed(0)
     tokens = torch.cat([torch.randn(300, d, generator=gen), 2 * torch.randn(300, d, generator=gen)], dim=1)
-    ape = torch.randn(CHUNK, d, generator=gen)
+    ape = torch.randn(CHUNK_SIZE, d, generator=gen)
     by_decode = torch.full((2, 1, 3 * d), float("nan"))
     rows_decode = []
     for t in range(300):
         out = torch.full((1, d), float("nan"))
         ref.run_decode(by_decode, tokens[t : t + 1], out, ape, torch.tensor([1], dtype=torch.int32),
                        torch.tensor([t + 1], dtype=torch.int32))
-        if t % CHUNK == CHUNK - 1:
+        if t % CHUNK_SIZE == CHUNK_SIZE - 1:
             rows_decode.append(out[0])
     by_prefill = torch.full((2, 1, 3 * d), float("nan"))
     rows_prefill = []
@@ -95,7 +94,7 @@ def test_decode_and_prefill_agree():
         out = torch.full((extend, d), float("nan"))
         ref.run_prefill(by_prefill, tokens[done : done + extend], out, ape, torch.tensor([1], dtype=torch.int32),
                         cp[: counts[0]], wp[: counts[1]])
-        rows_prefill += [out[int(r)] for r in ref.decode_plan(cp[: counts[0]])[:, 0]]
+        rows_prefill += [out[int(r)] for r in decode_rows(cp[: counts[0]])[:, 0]]
         done += extend
     oracle.assert_rows_close(torch.stack(rows_decode), torch.stack(rows_prefill), "decode vs prefill rows")
     oracle.assert_rows_close(by_decode[1, 0], by_prefill[1, 0], "decode vs prefill state")
@@ -142,7 +141,7 @@ def test_prefill_reads_load_indices_not_indices():
     """Direct check: the prior state comes from load_indices[b], not indices[b]."""
     d = 64
     gen = torch.Generator().manual_seed(1)
-    ape = torch.randn(CHUNK, d, generator=gen)
+    ape = torch.randn(CHUNK_SIZE, d, generator=gen)
     first = torch.randn(10, 2 * d, generator=gen)
     second = torch.randn(5, 2 * d, generator=gen)
     buf = torch.full((3, 1, 3 * d), float("nan"))
@@ -168,7 +167,7 @@ def _tensors(d=64, n=4, slots=3):
         torch.randn(slots, 1, 3 * d, generator=gen),
         torch.randn(n, 2 * d, generator=gen),
         torch.full((n, d), float("nan")),
-        torch.randn(CHUNK, d, generator=gen),
+        torch.randn(CHUNK_SIZE, d, generator=gen),
     )
 
 
@@ -213,7 +212,7 @@ def test_prefill_skips_sentinel_rows():
 def test_prefill_rejects_malformed_rows(row, which):
     buf, inp, out, ape = _tensors()
     before = buf.clone()
-    bad = ref.encode_plan([row])
+    bad = encode_rows([row])
     empty = torch.empty(0, 16, dtype=torch.uint8)
     plans = (bad, empty) if which == "compress" else (empty, bad)
     with pytest.raises(ValueError):
@@ -264,7 +263,7 @@ def test_decode_semantics_by_position():
 
 
 def _rows(plan, n):
-    return [tuple(r) for r in ref.decode_plan(plan[:n]).tolist()]
+    return [tuple(r) for r in decode_rows(plan[:n]).tolist()]
 
 
 @pytest.mark.parametrize(
@@ -311,7 +310,7 @@ def test_planner_edge_cases(extend, seq, compress, write, graph):
     assert _rows(wp, len(write)) == write
     if graph:
         assert bool((cp[len(compress) :] == 0xFF).all()) and bool((wp[len(write) :] == 0xFF).all())
-        assert all(r[0] == FF for r in _rows(cp, m)[len(compress) :])
+        assert all(r[0] == PADDING_ROW for r in _rows(cp, m)[len(compress) :])
     else:
         # Rows past the counts are left as they were.
         gen = torch.Generator().manual_seed(3)
@@ -358,8 +357,8 @@ def test_planner_accepts_int32_lengths():
 
 
 def test_encode_decode_roundtrip():
-    rows = [(0, 1, 2, 3), (FF, FF, FF, FF), (0x12345678, 7, 0xABCDEF01, 128)]
-    assert [tuple(r) for r in ref.decode_plan(ref.encode_plan(rows)).tolist()] == rows
+    rows = [(0, 1, 2, 3), (PADDING_ROW, PADDING_ROW, PADDING_ROW, PADDING_ROW), (0x12345678, 7, 0xABCDEF01, 128)]
+    assert [tuple(r) for r in decode_rows(encode_rows(rows)).tolist()] == rows
 
 
 # ---------------------------------------------------------------------------
@@ -422,13 +421,13 @@ def test_planner_value_errors_name_the_argument(case):
 def check_plan_invariants(extend, seq, counts, cp, wp, graph):
     """Every new token is covered exactly once, by well-formed rows in order."""
     m = sum(extend)
-    compress = ref.decode_plan(cp)
-    write = ref.decode_plan(wp)
+    compress = decode_rows(cp)
+    write = decode_rows(wp)
     if graph:
         assert counts == (m, m)
-        nc = int((compress[:, 0] != FF).sum())
-        nw = int((write[:, 0] != FF).sum())
-        assert bool((compress[nc:] == FF).all()) and bool((write[nw:] == FF).all()), "padding only at the end"
+        nc = int((compress[:, 0] != PADDING_ROW).sum())
+        nw = int((write[:, 0] != PADDING_ROW).sum())
+        assert bool((compress[nc:] == PADDING_ROW).all()) and bool((write[nw:] == PADDING_ROW).all()), "padding only at the end"
     else:
         nc, nw = counts
     compress, write = compress[:nc].tolist(), write[:nw].tolist()
@@ -439,10 +438,10 @@ def check_plan_invariants(extend, seq, counts, cp, wp, graph):
         assert keys == sorted(keys) and len(set(keys)) == len(keys), "rows ordered by request, then position"
         for ragged, b, position, window in rows:
             assert 0 <= b < len(extend)
-            assert 1 <= window <= CHUNK
-            assert (position % CHUNK == CHUNK - 1) == closes
+            assert 1 <= window <= CHUNK_SIZE
+            assert (position % CHUNK_SIZE == CHUNK_SIZE - 1) == closes
             first = position - window + 1
-            assert first >= CHUNK * (position // CHUNK), "a segment never crosses a chunk start"
+            assert first >= CHUNK_SIZE * (position // CHUNK_SIZE), "a segment never crosses a chunk start"
             prefix = seq[b] - extend[b]
             assert prefix <= first and position < seq[b]
             assert ragged == starts[b] + position - prefix, "ragged id consistent with position"
@@ -451,10 +450,10 @@ def check_plan_invariants(extend, seq, counts, cp, wp, graph):
     assert bool((np.cumsum(covered)[:m] == 1).all()), "every token covered exactly once"
     per_request = [b for _, b, _, _ in write]
     assert len(per_request) == len(set(per_request)), "at most one write row per request"
-    assert sorted(per_request) == [b for b in range(len(seq)) if seq[b] % CHUNK != 0]
+    assert sorted(per_request) == [b for b in range(len(seq)) if seq[b] % CHUNK_SIZE != 0]
     for _, b, position, _ in write:
         assert position == seq[b] - 1, "the write row is the request's last segment"
-    assert len(compress) == sum(len(range(s - e + (CHUNK - 1 - (s - e) % CHUNK), s, CHUNK)) for e, s in zip(extend, seq))
+    assert len(compress) == sum(len(range(s - e + (CHUNK_SIZE - 1 - (s - e) % CHUNK_SIZE), s, CHUNK_SIZE)) for e, s in zip(extend, seq))
 
 
 def test_planner_large_random_batch():

@@ -31,7 +31,8 @@ import pytest
 import torch
 
 import oracle
-from schedule import CHUNK, Request, ScheduleHarness, counts_of
+from flash_compress.plan_rows import CHUNK_SIZE
+from schedule import Request, ScheduleHarness, counts_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.stress]
 
@@ -69,19 +70,19 @@ class StressHarness(ScheduleHarness):
         token_batch = np.repeat(np.arange(len(extend)), extend)
         starts = np.cumsum(extend) - extend
         pos = prefix[token_batch] + np.arange(n) - starts[token_batch]
-        chunk = pos // CHUNK
+        chunk = pos // CHUNK_SIZE
         new_segment = np.ones(n, dtype=bool)
         new_segment[1:] = (token_batch[1:] != token_batch[:-1]) | (chunk[1:] != chunk[:-1])
         segment = np.cumsum(new_segment) - 1
         first = np.flatnonzero(new_segment)
         last = np.r_[first[1:] - 1, n - 1]
         seg_batch = token_batch[first]
-        has_prior = pos[first] % CHUNK != 0
-        closes = pos[last] % CHUNK == CHUNK - 1
+        has_prior = pos[first] % CHUNK_SIZE != 0
+        closes = pos[last] % CHUNK_SIZE == CHUNK_SIZE - 1
 
         seg_t = torch.as_tensor(segment, device=dev)
         x = inp.to(torch.float64)
-        s = x[:, d:] + self.ape64_dev[torch.as_tensor(pos % CHUNK, device=dev)]
+        s = x[:, d:] + self.ape64_dev[torch.as_tensor(pos % CHUNK_SIZE, device=dev)]
         v = x[:, :d]
         num_segments = len(first)
         prior = torch.zeros(num_segments, 3, d, dtype=torch.float64, device=dev)
@@ -191,8 +192,8 @@ class StressHarness(ScheduleHarness):
         self.verdicts.append(self._verdict(out, expected, before, written, states))
         self.descriptions.append(f"step {len(self.descriptions)}: decode of {n}, positions {prefix[:6].tolist()}...")
         for r in batch:
-            self.stats.decode_closes += int(r.length % CHUNK == CHUNK - 1)
-            self.stats.decode_resets += int(r.length % CHUNK == 0)
+            self.stats.decode_closes += int(r.length % CHUNK_SIZE == CHUNK_SIZE - 1)
+            self.stats.decode_resets += int(r.length % CHUNK_SIZE == 0)
             r.length += 1
         self.stats.decode_calls += 1
         self.stats.tokens += n
@@ -212,8 +213,8 @@ class StressHarness(ScheduleHarness):
             assert counts == (total, total), f"planner returned {counts}, want {(total, total)}"
             self.stats.cuda_graph_plans += 1
         else:
-            want_write = int(((prefix + extend) % CHUNK != 0).sum())
-            want_compress = int(((prefix + extend) // CHUNK - prefix // CHUNK).sum())
+            want_write = int(((prefix + extend) % CHUNK_SIZE != 0).sum())
+            want_compress = int(((prefix + extend) // CHUNK_SIZE - prefix // CHUNK_SIZE).sum())
             assert counts == (want_compress, want_write), f"planner returned {counts}"
             compress_plan, write_plan = compress_plan[: counts[0]], write_plan[: counts[1]]
         moving = bool((load != target).any())
@@ -232,7 +233,7 @@ class StressHarness(ScheduleHarness):
                 self.free_slots.remove(new_slot)
                 self.free_slots.append(request.slot)
                 self.stats.relocations += 1
-                self.stats.relocations_mid_chunk += int(request.length % CHUNK != 0)
+                self.stats.relocations_mid_chunk += int(request.length % CHUNK_SIZE != 0)
                 request.slot = new_slot
             request.length += e
         self.stats.prefill_calls += 1
@@ -247,7 +248,7 @@ class StressHarness(ScheduleHarness):
     def check_live_states(self) -> None:
         """Every live request with an open chunk: its slot is finite and matches the oracle."""
         self.check_verdicts()
-        live = [r.slot for r in self.requests if r.length % CHUNK != 0]
+        live = [r.slot for r in self.requests if r.length % CHUNK_SIZE != 0]
         slots = torch.tensor(live, dtype=torch.int64, device=self.device)
         got = self.buffer[slots, 0]
         assert bool(torch.isfinite(got).all()), "NaN or inf in a live state"

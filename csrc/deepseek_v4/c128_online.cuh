@@ -27,10 +27,10 @@
 
 namespace flash_compress::c128 {
 
+using device::compress::kC128ChunkSize;
 using device::compress::kPlanSentinel;
 using device::compress::PrefillPlan;
 
-inline constexpr uint32_t kChunk = 128;
 inline constexpr uint32_t kVecWidth = 4;
 using Vec = device::AlignedVector<float, kVecWidth>;
 
@@ -185,7 +185,7 @@ SGL_DEVICE DecodeLoads load_decode_request(const DecodeParams& params, uint32_t 
   const int32_t seq_len = params.seq_lens[request];
   // Values the host cannot check without a sync: such a request is skipped.
   if (seq_len < 1 || slot < 0 || slot >= params.num_slots) return in;
-  in.pos = static_cast<uint32_t>(seq_len - 1) % kChunk;
+  in.pos = static_cast<uint32_t>(seq_len - 1) % kC128ChunkSize;
   in.state = params.state + static_cast<int64_t>(slot) * (3 * kHeadDim) + lane * kVecWidth;
   in.bias.load(params.ape + in.pos * kHeadDim + lane * kVecWidth);
   if (in.pos != 0) {  // the first token of a chunk replaces the state unread
@@ -218,7 +218,7 @@ SGL_DEVICE void finish_decode_request(const DecodeParams& params, const DecodeLo
       next.kv[c] = (in.old.kv[c] * old_weight + in.kv[c] * new_weight) / sum;
     }
   }
-  if (in.pos == kChunk - 1) {
+  if (in.pos == kC128ChunkSize - 1) {
     // The chunk is complete: emit it. The state is left alone because the
     // next chunk's first token replaces it unread.
     next.kv.store(params.output + static_cast<int64_t>(request) * kHeadDim + lane * kVecWidth);
@@ -338,8 +338,8 @@ template <bool kWritePass>
 SGL_DEVICE bool decode_segment(const PrefillPlan& row, uint32_t first_slice, uint32_t end_slice,
                                const PrefillParams& params, SegmentWork& work) {
   if (row.ragged_id == kPlanSentinel) return false;
-  const uint32_t last_pos = row.position % kChunk;
-  const bool closes_chunk = last_pos == kChunk - 1;
+  const uint32_t last_pos = row.position % kC128ChunkSize;
+  const bool closes_chunk = last_pos == kC128ChunkSize - 1;
   if (closes_chunk == kWritePass) return false;
   if (row.window_len == 0 || row.window_len > last_pos + 1) return false;
   if (row.ragged_id >= params.num_tokens || row.ragged_id + 1 < row.window_len) return false;
@@ -570,7 +570,7 @@ struct C128Online {
         .with_device(device)
         .with_alignment(16)
         .verify(kv_compressed_output, "kv_compressed_output");
-    TensorMatcher({static_cast<int64_t>(kChunk), kHeadDim})
+    TensorMatcher({static_cast<int64_t>(kC128ChunkSize), kHeadDim})
         .with_dtype<float>()
         .with_device(device)
         .with_alignment(16)
@@ -688,7 +688,7 @@ struct C128Online {
     // tokens close, so however far a CUDA-graph plan is padded a planned
     // pass has no more live rows than this, and all of them come first.
     const int64_t max_live_rows = kWritePass ? int64_t{params.batch_size}
-                                             : int64_t{params.num_tokens} / kChunk + params.batch_size;
+                                             : int64_t{params.num_tokens} / kC128ChunkSize + params.batch_size;
     params.num_split_rows = static_cast<uint32_t>(std::min<int64_t>(params.num_rows, max_live_rows));
     constexpr auto kWide = c128_prefill_kernel<kHeadDim, kWideSliceDim, kWritePass, kUsePDL>;
     using Wide = PrefillLayout<kHeadDim, kWideSliceDim>;

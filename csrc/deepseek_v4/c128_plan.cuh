@@ -1,5 +1,5 @@
 // The online c128 compressor's prefill planner: cuts each request's new tokens
-// into per-chunk segments, as rows of the 16-byte plan in SPEC.md section 4.
+// into per-chunk segments, as rows of the 16-byte plan in docs/SPEC.md section 4.
 //
 // Two planners write the same bytes from the same row formulas (the
 // `__host__ __device__` helpers below): a host loop for CPU / pinned lengths,
@@ -24,13 +24,13 @@
 
 namespace flash_compress::c128 {
 
+using device::compress::kC128ChunkSize;
 using device::compress::kPlanSentinel;
 using device::compress::PrefillPlan;
 
-inline constexpr int64_t kPlanChunk = 128;
 /// Longest seq_len and largest sum(extend_lens): ragged ids and positions are
 /// uint32 and the all-ones value marks padding.
-inline constexpr int64_t kMaxPlanLength = std::numeric_limits<uint32_t>::max() - 1;
+inline constexpr int64_t kMaxPlanLength = int64_t{kPlanSentinel} - 1;
 
 // ---------------------------------------------------------------------------
 // Row formulas, shared by both planners. Request b's new tokens are positions
@@ -42,11 +42,11 @@ inline constexpr int64_t kMaxPlanLength = std::numeric_limits<uint32_t>::max() -
 
 /// \brief Chunks the request closes: positions `128k + 127` in `[prefix, seq_len)`.
 __host__ __device__ inline int64_t compress_rows_of(int64_t prefix, int64_t seq_len) {
-  return seq_len / kPlanChunk - prefix / kPlanChunk;
+  return seq_len / kC128ChunkSize - prefix / kC128ChunkSize;
 }
 
 /// \brief Whether the request ends inside a chunk, leaving a state to store.
-__host__ __device__ inline bool has_write_row(int64_t seq_len) { return seq_len % kPlanChunk != 0; }
+__host__ __device__ inline bool has_write_row(int64_t seq_len) { return seq_len % kC128ChunkSize != 0; }
 
 /// \brief The row of a segment `[begin, last]` that starts at or after `prefix`.
 __host__ __device__ inline PrefillPlan segment_row(int64_t prefix, int64_t ragged_start, int64_t batch, int64_t begin,
@@ -62,8 +62,8 @@ __host__ __device__ inline PrefillPlan segment_row(int64_t prefix, int64_t ragge
 /// \brief The request's k-th compress row (`0 <= k < compress_rows_of(...)`).
 __host__ __device__ inline PrefillPlan compress_row_of(int64_t prefix, int64_t ragged_start, int64_t batch,
                                                        int64_t k) {
-  const int64_t last = (prefix / kPlanChunk + k) * kPlanChunk + (kPlanChunk - 1);
-  const int64_t chunk_begin = last - (kPlanChunk - 1);
+  const int64_t last = (prefix / kC128ChunkSize + k) * kC128ChunkSize + (kC128ChunkSize - 1);
+  const int64_t chunk_begin = last - (kC128ChunkSize - 1);
   return segment_row(prefix, ragged_start, batch, prefix > chunk_begin ? prefix : chunk_begin, last);
 }
 
@@ -71,7 +71,7 @@ __host__ __device__ inline PrefillPlan compress_row_of(int64_t prefix, int64_t r
 __host__ __device__ inline PrefillPlan write_row_of(int64_t prefix, int64_t seq_len, int64_t ragged_start,
                                                     int64_t batch) {
   const int64_t last = seq_len - 1;
-  const int64_t chunk_begin = last / kPlanChunk * kPlanChunk;
+  const int64_t chunk_begin = last / kC128ChunkSize * kC128ChunkSize;
   return segment_row(prefix, ragged_start, batch, prefix > chunk_begin ? prefix : chunk_begin, last);
 }
 
@@ -153,8 +153,9 @@ inline PlanResult plan_on_host(const tvm::ffi::TensorView& extend_lens, const tv
     CheckAs("ValueError", total <= kMaxPlanLength, "argument 'extend_lens': expected a sum <= ", kMaxPlanLength,
             ", got ", total, " after the first ", b + 1, " entries");
   }
-  CheckAs("ValueError", total == num_rows, "argument 'compress_plan': expected [sum(extend_lens), 16] = [", total,
-          ", 16] (write_plan too), got [", num_rows, ", 16]");
+  constexpr int64_t kWidth = compress::kPrefillPlanDim;
+  CheckAs("ValueError", total == num_rows, "argument 'compress_plan': expected [sum(extend_lens), ", kWidth, "] = [",
+          total, ", ", kWidth, "] (write_plan too), got [", num_rows, ", ", kWidth, "]");
 
   auto* compress = data_ptr<PrefillPlan>(compress_plan);
   auto* write = data_ptr<PrefillPlan>(write_plan);
@@ -371,6 +372,8 @@ SGL_DEVICE uint32_t find_request(const uint32_t* first_row, uint32_t count, uint
   }
   return lo;
 }
+
+static_assert(sizeof(uint4) == device::compress::kPrefillPlanBytes, "a plan row is stored as one uint4");
 
 SGL_DEVICE void store_row(PrefillPlan* plan, int64_t index, const PrefillPlan& row) {
   // One 16-byte store: rows are 16-byte aligned (checked on the host).

@@ -223,7 +223,7 @@ class TensorMatcher {
     return *this;
   }
 
-  /// \brief The one-argument form of SPEC.md section 6; its messages can
+  /// \brief The one-argument form of docs/SPEC.md section 6; its messages can
   /// only say "tensor", so exports should name the argument.
   const TensorMatcher& verify(const tvm::ffi::TensorView& tensor) const { return verify(tensor, "tensor"); }
   const TensorMatcher& verify(const tvm::ffi::TensorView& tensor, const char* name) const {

@@ -23,12 +23,13 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--decode-steps", type=int, default=300, help="decode steps after the prefill (default 300)")
     demo.add_argument("--seed", type=int, default=0)
 
-    prebuild = commands.add_parser("prebuild", help="compile a grid of variants into the cache (no GPU needed)")
+    prebuild = commands.add_parser("prebuild", help="compile the planner and a grid of kernel variants into the cache (no GPU needed)")
     prebuild.add_argument("--head-dim", type=int, nargs="+", default=[128, 256, 512], help="default: 128 256 512")
     prebuild.add_argument("--pdl", type=int, nargs="+", choices=[0, 1], default=[0, 1], help="default: 0 1")
     prebuild.add_argument("--arch", nargs="+", default=None, help='CUDA archs, e.g. 9.0 10.0 (default: as the loader)')
     prebuild.add_argument("--jobs", type=int, default=None, help="parallel builds (default: CPU count)")
-    prebuild.add_argument("--cache-dir", default=None, help="cache folder (default: $FLASH_COMPRESS_CACHE_DIR)")
+    prebuild.add_argument("--cache-dir", default=None,
+                          help="cache folder (default: $FLASH_COMPRESS_CACHE_DIR, else the user cache folder)")
 
     status = commands.add_parser("status", help="list what the cache holds")
     status.add_argument("--cache-dir", default=None)
@@ -51,9 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .jit import cli
 
     if args.command == "prebuild":
-        from .c128_online import spec
+        from .c128_online import planner_spec, spec
 
-        grid = [
+        grid = [(f"planner pdl={pdl}", planner_spec(bool(pdl))) for pdl in args.pdl]
+        grid += [
             (f"head_dim={head_dim} pdl={pdl}", spec(head_dim, bool(pdl)))
             for head_dim in args.head_dim
             for pdl in args.pdl

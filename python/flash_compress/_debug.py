@@ -14,10 +14,10 @@ from typing import Optional
 
 import torch
 
+from .plan_rows import check_rows, is_plan_tensor
+
 __all__ = ["check_decode", "check_planner_flag", "check_prefill", "enabled"]
 
-CHUNK = 128
-PLAN_SENTINEL = 0xFFFFFFFF
 _VAR = "FLASH_COMPRESS_DEBUG"
 _OFF = ("", "0", "false", "no", "off")
 
@@ -77,37 +77,10 @@ def check_decode(
             raise ValueError(f"argument 'seq_lens': expected every seq_len >= 1, got seq_lens[{b}] = {int(host[b])}")
 
 
-def _plan_rows(plan: torch.Tensor) -> torch.Tensor:
-    """``[M, 16]`` uint8 -> ``[M, 4]`` int64 rows of uint32 fields (little-endian, as every CUDA GPU)."""
-    raw = plan.detach().to("cpu").contiguous()
-    return raw.view(torch.int32).to(torch.int64) & PLAN_SENTINEL
-
-
 def _check_plan(plan: torch.Tensor, name: str, num_tokens: int, batch: int, compress: bool) -> None:
-    if not isinstance(plan, torch.Tensor) or plan.dtype != torch.uint8 or plan.dim() != 2 or plan.shape[1] != 16:
-        return  # the kernels' own checks name a wrong type, dtype or shape
-    if plan.shape[0] == 0:
-        return
-    rows = _plan_rows(plan)
-    live = rows[rows[:, 0] != PLAN_SENTINEL]
-    ragged, b, position, window = live.unbind(1)
-    offset = position % CHUNK
-    problems = [
-        ((window < 1) | (window > CHUNK), f"window_len not in [1, {CHUNK}]"),
-        ((ragged >= num_tokens) | (ragged - window + 1 < 0), f"ragged rows outside kv_score_input's {num_tokens} rows"),
-        (b >= batch, f"batch_id outside the batch of {batch} (indices)"),
-        (offset - window + 1 < 0, "window_len reaches back past the chunk start"),
-        (offset != CHUNK - 1 if compress else offset == CHUNK - 1,
-         "a compress row must close a chunk (position % 128 == 127)" if compress
-         else "a write row must not close a chunk (position % 128 < 127)"),
-    ]
-    for bad, what in problems:
-        if bool(bad.any()):
-            row = live[int(bad.nonzero()[0, 0])].tolist()
-            raise ValueError(
-                f"argument '{name}': expected rows {{ragged_id, batch_id, position, window_len}} that fit the "
-                f"call, got {tuple(row)}: {what}"
-            )
+    if not is_plan_tensor(plan) or plan.shape[0] == 0:
+        return  # the kernels' own checks name a wrong type, dtype or shape; an empty plan has no rows
+    check_rows(plan, name, num_tokens=num_tokens, batch=batch, compress=compress)
 
 
 def check_prefill(

@@ -14,17 +14,17 @@ from typing import Any, Optional
 import torch
 
 from . import _debug
-from .c128_online import load_module
+from .c128_online import load_module, load_planner
 from .jit import JitDisabledError
 
 __all__ = ["decode_into", "planner", "kernels", "new_output", "prefill_into", "relocate_states"]
 
 logger = logging.getLogger("flash_compress")
 
-DEFAULT_HEAD_DIM = 512  # DeepSeek-V4; the variant the planner comes from when none is loaded yet
-
 #: Loaded variants by ``(head_dim, use_pdl)`` as the caller passed them (``None`` kept as is).
 _modules: dict[tuple[int, Optional[bool]], Any] = {}
+#: The loaded planner variant (``use_pdl=None``), once loaded.
+_planner: Any = None
 
 
 def kernels(head_dim: int, use_pdl: Optional[bool]) -> Any:
@@ -46,21 +46,21 @@ def _load(head_dim: int, use_pdl: Optional[bool]) -> Any:
 
 
 def planner(*, load: bool = True) -> Any:
-    """An object with ``plan_online_prefill``: a compiled variant, or the reference for host lengths.
+    """An object with ``plan_online_prefill``: the compiled planner, or the reference for host lengths.
 
-    Every variant carries the same planner, so any loaded one does. With none
-    loaded yet, ``load`` loads the default variant (compiled on a cache miss);
-    without ``load`` (plans for the CPU reference), or where nothing can be
-    loaded (no CUDA toolkit and no cached build, or ``FLASH_COMPRESS_DISABLE_JIT=1``
-    and a miss), the reference planner, which writes the same bytes, plans instead.
+    With ``load`` the planner variant is loaded (compiled on a cache miss); without
+    ``load`` (plans for the CPU reference) and not loaded yet, or where it cannot be
+    loaded (no nvcc and no cached build, or ``FLASH_COMPRESS_DISABLE_JIT=1`` and a
+    miss), the reference planner, which writes the same bytes, plans instead.
     """
-    for module in _modules.values():
-        return module
-    if load:
+    global _planner
+    if _planner is None and load:
         try:
-            return kernels(DEFAULT_HEAD_DIM, None)
+            _planner = load_planner()
         except JitDisabledError as exc:
-            logger.info("planning with the reference planner: no compiled variant can be loaded (%s)", exc)
+            logger.info("planning with the reference planner: the compiled planner cannot be loaded (%s)", exc)
+    if _planner is not None:
+        return _planner
     from . import reference
 
     return reference

@@ -29,10 +29,10 @@ import torch
 
 from . import _debug, _dispatch
 from . import ops as _ops  # registers torch.ops.flash_compress.{decode,prefill}
+from .plan_rows import ROW_BYTES
 
 __all__ = ["PrefillPlan", "decode", "plan_prefill", "prefill"]
 
-PLAN_ROW_BYTES = 16
 _LENGTH_DTYPES = (torch.int32, torch.int64)
 
 
@@ -124,8 +124,8 @@ def _plan_on_host(
     if num_tokens is not None and num_tokens != total:
         raise ValueError(f"argument 'num_tokens': expected sum(extend_lens) = {total}, got {num_tokens}")
     pinned = device.type == "cuda"
-    compress = torch.empty((total, PLAN_ROW_BYTES), dtype=torch.uint8, pin_memory=pinned)
-    write = torch.empty((total, PLAN_ROW_BYTES), dtype=torch.uint8, pin_memory=pinned)
+    compress = torch.empty((total, ROW_BYTES), dtype=torch.uint8, pin_memory=pinned)
+    write = torch.empty((total, ROW_BYTES), dtype=torch.uint8, pin_memory=pinned)
     result = _dispatch.planner(load=pinned).plan_online_prefill(extend, seq, compress, write, use_cuda_graph)
     num_compress, num_write = (int(n) for n in result)
     compress, write = compress[:num_compress], write[:num_write]
@@ -142,18 +142,16 @@ def _plan_on_gpu(
     extend = extend_lens.to(device, non_blocking=True).contiguous()
     seq = seq_lens.to(device, non_blocking=True).contiguous()
     total = int(extend.sum()) if num_tokens is None else num_tokens  # the sum syncs; pass num_tokens to avoid it
-    compress = torch.empty((total, PLAN_ROW_BYTES), dtype=torch.uint8, device=device)
-    write = torch.empty((total, PLAN_ROW_BYTES), dtype=torch.uint8, device=device)
+    compress = torch.empty((total, ROW_BYTES), dtype=torch.uint8, device=device)
+    write = torch.empty((total, ROW_BYTES), dtype=torch.uint8, device=device)
     counts = torch.empty(3, dtype=torch.int32, device=device)
-    try:
-        _dispatch.planner().plan_online_prefill(extend, seq, compress, write, True, counts)
-    except TypeError as exc:
-        if "number of arguments" not in str(exc) and "positional argument" not in str(exc):
-            raise  # a real argument error of the GPU planner, naming the argument
+    planner = _dispatch.planner()
+    if not hasattr(planner, "plan_online_prefill_counted"):  # the reference: no compiled planner could load
         raise NotImplementedError(
-            "plan_prefill: this build's planner takes host lengths only (the GPU planner is not in it yet); "
+            "plan_prefill: CUDA lengths need the compiled GPU planner, which cannot be loaded here; "
             "pass seq_lens and extend_lens on the CPU"
-        ) from exc
+        )
+    planner.plan_online_prefill_counted(extend, seq, compress, write, True, counts)
     return PrefillPlan(compress, write, total, total, True, counts)
 
 

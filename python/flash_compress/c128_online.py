@@ -1,18 +1,23 @@
-"""The online c128 compressor's kernel spec: sources, template values, exports."""
+"""The online c128 compressor's build specs: sources, template values, exports.
+
+Two variant families: the kernels, per ``(head_dim, use_pdl)``, and the prefill
+planner, per ``use_pdl`` alone (it does not depend on head_dim). The kernel variants
+carry the planner's exports too, so that one module has every function of
+``docs/SPEC.md`` section 3.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from . import jit
 from ._paths import source_roots
 
-__all__ = ["HEAD_DIMS_TESTED", "load_module", "resolve_use_pdl", "spec"]
+__all__ = ["HEAD_DIMS_TESTED", "load_module", "load_planner", "planner_spec", "resolve_use_pdl", "spec"]
 
 #: head_dim values the test suite runs; any multiple of 64 in [64, 1024] builds.
 HEAD_DIMS_TESTED = (128, 256, 512)
 
-_HEADER = "deepseek_v4/c128_online.cuh"
-_CLASS = "flash_compress::c128::C128Online<{head_dim}, {use_pdl}>"
-_PLANNER = "flash_compress::c128::C128Planner<{use_pdl}>"
 _CUDA_FLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr", "-lineinfo")
 
 
@@ -33,37 +38,53 @@ def resolve_use_pdl(use_pdl: bool | None, arch_list: tuple[str, ...]) -> bool:
     return bool(use_pdl)
 
 
+def _planner_exports(use_pdl: bool) -> dict[str, str]:
+    planner = f"flash_compress::c128::C128Planner<{str(use_pdl).lower()}>"
+    # Two signatures, two names: the 6-argument form adds the device-side `counts` output.
+    return {"plan_online_prefill": f"{planner}::plan", "plan_online_prefill_counted": f"{planner}::plan_counted"}
+
+
 def spec(head_dim: int, use_pdl: bool) -> jit.JitSpec:
-    """The build of one ``(head_dim, use_pdl)`` variant."""
+    """The build of one ``(head_dim, use_pdl)`` kernel variant."""
     _check_head_dim(head_dim)
-    pdl = "true" if use_pdl else "false"
-    cls = _CLASS.format(head_dim=head_dim, use_pdl=pdl)
-    planner = _PLANNER.format(use_pdl=pdl)
+    kernels = f"flash_compress::c128::C128Online<{head_dim}, {str(use_pdl).lower()}>"
     return jit.JitSpec(
         name=f"c128_online_hd{head_dim}_pdl{int(use_pdl)}",
-        headers=(_HEADER,),
-        exports={
-            "run_decode": f"{cls}::run_decode",
-            "run_prefill": f"{cls}::run_prefill",
-            # 5 arguments (SPEC.md section 3) or 6 (a trailing `counts`, for CUDA lengths).
-            "plan_online_prefill": (f"{planner}::plan", f"{planner}::plan_counted"),
-        },
+        headers=("deepseek_v4/c128_online.cuh",),
+        exports={"run_decode": f"{kernels}::run_decode", "run_prefill": f"{kernels}::run_prefill",
+                 **_planner_exports(use_pdl)},
         include_dirs=source_roots(),
         extra_cuda_cflags=_CUDA_FLAGS,
     )
 
 
-def load_module(head_dim: int = 512, use_pdl: bool | None = None):  # -> tvm_ffi.Module
+def planner_spec(use_pdl: bool) -> jit.JitSpec:
+    """The build of the prefill planner alone."""
+    return jit.JitSpec(
+        name=f"c128_planner_pdl{int(use_pdl)}",
+        headers=("deepseek_v4/c128_plan.cuh",),
+        exports=_planner_exports(use_pdl),
+        include_dirs=source_roots(),
+        extra_cuda_cflags=_CUDA_FLAGS,
+    )
+
+
+def load_module(head_dim: int = 512, use_pdl: bool | None = None) -> Any:
     """Compile (on first use) and load the online c128 compressor for ``head_dim``.
 
-    Returns the tvm-ffi module with ``run_decode``, ``run_prefill`` and
-    ``plan_online_prefill``, which take DLPack tensors as ``SPEC.md`` section 3
-    describes; given CUDA lengths, the planner plans on the GPU and takes an
-    optional 6th argument ``counts`` (see ``docs/GPU_PLANNER.md``).
-    ``use_pdl=None`` enables programmatic dependent launch when every target
-    arch is sm_90 or newer. Builds are cached per variant; see
-    :mod:`flash_compress.jit` for the cache and its environment variables.
+    Returns the tvm-ffi module with ``run_decode``, ``run_prefill``,
+    ``plan_online_prefill`` and ``plan_online_prefill_counted``, which take DLPack
+    tensors as ``docs/SPEC.md`` section 3 describes. ``use_pdl=None`` enables
+    programmatic dependent launch when every target arch is sm_90 or newer. Builds
+    are cached per variant; see :mod:`flash_compress.jit` for the cache and its settings.
     """
     _check_head_dim(head_dim)
     arch_list = jit.cuda_arch_list()
     return jit.load(spec(head_dim, resolve_use_pdl(use_pdl, arch_list)), arch_list=arch_list)
+
+
+def load_planner(use_pdl: bool | None = None) -> Any:
+    """Compile (on first use) and load the prefill planner alone: ``plan_online_prefill`` and
+    ``plan_online_prefill_counted`` (host lengths plan on the CPU, CUDA lengths on the GPU)."""
+    arch_list = jit.cuda_arch_list()
+    return jit.load(planner_spec(resolve_use_pdl(use_pdl, arch_list)), arch_list=arch_list)

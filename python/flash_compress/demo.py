@@ -19,10 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from .plan_rows import CHUNK_SIZE, ROW_BYTES, decode_rows
+
 __all__ = ["run_demo"]
 
 HEAD_DIM = 512  # DeepSeek-V4's compressed KV width
-CHUNK = 128
 TOLERANCE = 2e-5  # relative L2 error allowed against the float64 reference
 
 
@@ -113,10 +114,10 @@ class _Schedule:
 def _make_schedule(torch, batch: int, prefill_len: int, decode_steps: int, seed: int) -> _Schedule:
     gen = torch.Generator().manual_seed(seed)
     schedule = _Schedule(
-        ape=torch.randn(CHUNK, HEAD_DIM, generator=gen),
+        ape=torch.randn(CHUNK_SIZE, HEAD_DIM, generator=gen),
         initial_state=torch.randn(batch, 1, 3 * HEAD_DIM, generator=gen),
     )
-    prefixes = [int(x) for x in torch.randint(1, 3 * CHUNK, (batch,), generator=gen)]
+    prefixes = [int(x) for x in torch.randint(1, 3 * CHUNK_SIZE, (batch,), generator=gen)]
     lens = list(prefixes)
     schedule.steps.append(_Step(lens, list(prefixes), torch.randn(sum(prefixes), 2 * HEAD_DIM, generator=gen)))
     lens = [n + prefill_len for n in lens]
@@ -129,8 +130,8 @@ def _make_schedule(torch, batch: int, prefill_len: int, decode_steps: int, seed:
 
 def _plan(impl, torch, step: _Step):
     rows = sum(step.extend_lens)
-    compress_plan = torch.empty(rows, 16, dtype=torch.uint8)
-    write_plan = torch.empty(rows, 16, dtype=torch.uint8)
+    compress_plan = torch.empty(rows, ROW_BYTES, dtype=torch.uint8)
+    write_plan = torch.empty(rows, ROW_BYTES, dtype=torch.uint8)
     counts = impl.plan_online_prefill(
         torch.tensor(step.extend_lens, dtype=torch.int64),
         torch.tensor(step.seq_lens, dtype=torch.int64),
@@ -142,10 +143,10 @@ def _plan(impl, torch, step: _Step):
     return compress_plan[:num_compress], write_plan[:num_write]
 
 
-def _emitted_rows(torch, step: _Step, compress_plan) -> list[int]:
+def _emitted_rows(step: _Step, compress_plan) -> list[int]:
     if step.extend_lens is not None:
-        return compress_plan.view(torch.int32)[:, 0].tolist()
-    return [b for b, n in enumerate(step.seq_lens) if n % CHUNK == 0]
+        return decode_rows(compress_plan)[:, 0].tolist()
+    return [b for b, n in enumerate(step.seq_lens) if n % CHUNK_SIZE == 0]
 
 
 def _run(impl, torch, schedule: _Schedule, device) -> tuple[list[Any], Any]:
@@ -160,11 +161,11 @@ def _run(impl, torch, schedule: _Schedule, device) -> tuple[list[Any], Any]:
         if step.extend_lens is None:
             seq_lens = torch.tensor(step.seq_lens, dtype=torch.int32, device=device)
             impl.run_decode(state, tokens, out, ape, indices, seq_lens, None)
-            rows = _emitted_rows(torch, step, None)
+            rows = _emitted_rows(step, None)
         else:
             compress_plan, write_plan = _plan(impl, torch, step)
             impl.run_prefill(state, tokens, out, ape, indices, compress_plan.to(device), write_plan.to(device), None)
-            rows = _emitted_rows(torch, step, compress_plan)
+            rows = _emitted_rows(step, compress_plan)
         emitted.append(out[rows])
     return emitted, state
 
@@ -206,12 +207,12 @@ def run_demo(*, batch: int = 8, prefill_len: int = 4096, decode_steps: int = 300
 
     from . import reference
     from .c128_online import load_module, resolve_use_pdl
-    from .jit import cuda_arch_list, find_cuda_toolkit
+    from .jit import cuda_arch_list, find_nvcc
 
     has_gpu = torch.cuda.is_available()
     skipped: list[str] = []
     if not has_gpu:
-        prefill_len, decode_steps = min(prefill_len, 2 * CHUNK + 17), min(decode_steps, 130)
+        prefill_len, decode_steps = min(prefill_len, 2 * CHUNK_SIZE + 17), min(decode_steps, 130)
         skipped.append("GPU kernels (no CUDA GPU visible): the reference ran on the CPU instead")
     device = torch.device("cuda" if has_gpu else "cpu")
     where = torch.cuda.get_device_name() if has_gpu else "cpu"
@@ -219,7 +220,7 @@ def run_demo(*, batch: int = 8, prefill_len: int = 4096, decode_steps: int = 300
          f"prefill {prefill_len} tokens each after random prefixes, then {decode_steps} decode steps")
 
     module = None
-    if has_gpu or find_cuda_toolkit() is not None:
+    if has_gpu or find_nvcc() is not None:
         arch = cuda_arch_list()
         _say(f"  variant: head_dim={HEAD_DIM} use_pdl={resolve_use_pdl(None, arch)} arch={' '.join(arch)}"
              " (first use compiles, about a minute; later runs load from the cache)")
@@ -257,7 +258,7 @@ def run_demo(*, batch: int = 8, prefill_len: int = 4096, decode_steps: int = 300
              f"states {state_error:.1e} (limit {TOLERANCE:.0e}) -> {'PASS' if ok else 'FAIL'}")
         seconds = _time_prefill(module, torch, schedule, device)
         tokens = batch * prefill_len
-        moved = tokens * 2 * HEAD_DIM * 4 + (tokens // CHUNK) * HEAD_DIM * 4 + 2 * batch * 3 * HEAD_DIM * 4
+        moved = tokens * 2 * HEAD_DIM * 4 + (tokens // CHUNK_SIZE) * HEAD_DIM * 4 + 2 * batch * 3 * HEAD_DIM * 4
         _say(f"  throughput: prefill of {tokens} tokens in {seconds * 1e6:.1f} us = "
              f"{tokens / seconds / 1e6:.0f} M tokens/s, {moved / seconds / 1e9:.0f} GB/s (CUDA events, median of 20)")
     for line in skipped:

@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference of the online c128 compressor (``SPEC.md`` sections 1-4).
+"""Pure-PyTorch reference of the online c128 compressor (``docs/SPEC.md`` sections 1-4).
 
 The three functions here have the same names, signatures and in-place
 semantics as the compiled tvm-ffi module (``flash_compress.load_module``):
@@ -7,7 +7,8 @@ semantics as the compiled tvm-ffi module (``flash_compress.load_module``):
 - :func:`run_prefill` runs a planned chunked prefill (compress pass, then
   write pass);
 - :func:`plan_online_prefill` cuts a prefill into per-chunk segments and
-  writes the 16-byte plan rows.
+  writes the 16-byte plan rows (their format and rules are
+  :mod:`flash_compress.plan_rows`).
 
 They take tensors on any device (CPU or CUDA) and are written to be plainly
 right, not fast: every value is cast to float64, the arithmetic follows the
@@ -34,56 +35,22 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .plan_rows import CHUNK_SIZE, MAX_LENGTH, PADDING_BYTE, ROW_BYTES, check_rows, encode_rows, is_plan_tensor
+
 __all__ = [
-    "CHUNK",
-    "PLAN_ROW_BYTES",
-    "PLAN_SENTINEL",
-    "MAX_LENGTH",
-    "decode_plan",
-    "encode_plan",
     "plan_segments",
     "plan_online_prefill",
     "run_decode",
     "run_prefill",
 ]
 
-#: Tokens per compressed chunk.
-CHUNK = 128
-#: Bytes in one plan row: ``{ragged_id, batch_id, position, window_len}`` as 4 little-endian uint32.
-PLAN_ROW_BYTES = 16
-#: A plan row whose ``ragged_id`` is this value is padding (all 16 bytes are 0xFF); kernels skip it.
-PLAN_SENTINEL = 0xFFFFFFFF
-#: Largest seq_len and largest sum(extend_lens) the planner accepts: ragged ids and
-#: positions are uint32 and the all-ones value is the sentinel.
-MAX_LENGTH = 0xFFFFFFFF - 1
-
 _LENGTH_DTYPES = (torch.int64, torch.int32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 # ---------------------------------------------------------------------------
-# Plan rows.
+# Planner.
 # ---------------------------------------------------------------------------
-
-
-def decode_plan(plan: torch.Tensor) -> np.ndarray:
-    """Decodes a ``[M, 16]`` uint8 plan tensor (any device) to an ``[M, 4]`` int64 array.
-
-    Columns are ``ragged_id, batch_id, position, window_len``, each read as a
-    little-endian uint32 (so a sentinel row reads as four ``0xFFFFFFFF``).
-    """
-    _check_plan_tensor(plan, "plan")
-    raw = plan.detach().to("cpu").contiguous().numpy()
-    return raw.reshape(-1).view("<u4").reshape(-1, 4).astype(np.int64)
-
-
-def encode_plan(rows) -> torch.Tensor:
-    """Encodes rows ``(ragged_id, batch_id, position, window_len)`` as a ``[M, 16]`` uint8 CPU tensor."""
-    array = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
-    if array.size and (array.min() < 0 or array.max() > PLAN_SENTINEL):
-        raise ValueError("encode_plan: every field must fit in a uint32")
-    raw = array.astype("<u4").reshape(-1).view(np.uint8).reshape(-1, PLAN_ROW_BYTES)
-    return torch.from_numpy(raw.copy())
 
 
 def plan_segments(extend_lens, seq_lens) -> tuple[np.ndarray, np.ndarray]:
@@ -104,15 +71,15 @@ def plan_segments(extend_lens, seq_lens) -> tuple[np.ndarray, np.ndarray]:
         extend, seq = int(extend), int(seq)
         prefix = seq - extend  # position of the request's first new token
         # Positions in [prefix, seq) that close a chunk: p = 128k + 127.
-        first_close = prefix + (CHUNK - 1 - prefix % CHUNK)
-        closes = np.arange(first_close, seq, CHUNK, dtype=np.int64)
+        first_close = prefix + (CHUNK_SIZE - 1 - prefix % CHUNK_SIZE)
+        closes = np.arange(first_close, seq, CHUNK_SIZE, dtype=np.int64)
         if closes.size:
             ragged = ragged_start + (closes - prefix)
-            window = np.minimum(CHUNK, closes - prefix + 1)
+            window = np.minimum(CHUNK_SIZE, closes - prefix + 1)
             compress.append(np.stack([ragged, np.full_like(closes, batch), closes, window], axis=1))
         last = seq - 1
-        if last % CHUNK != CHUNK - 1:
-            window = min(last % CHUNK + 1, extend)
+        if last % CHUNK_SIZE != CHUNK_SIZE - 1:
+            window = min(last % CHUNK_SIZE + 1, extend)
             write.append((ragged_start + extend - 1, batch, last, window))
         ragged_start += extend
     compress_rows = np.concatenate(compress) if compress else np.zeros((0, 4), dtype=np.int64)
@@ -121,12 +88,13 @@ def plan_segments(extend_lens, seq_lens) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _check_plan_tensor(plan, name: str) -> None:
+    if is_plan_tensor(plan):
+        return
     if not isinstance(plan, torch.Tensor):
         raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(plan).__name__}")
     if plan.dtype != torch.uint8:
         raise TypeError(f"argument '{name}': expected dtype uint8, got {plan.dtype}")
-    if plan.dim() != 2 or plan.shape[1] != PLAN_ROW_BYTES:
-        raise ValueError(f"argument '{name}': expected shape [M, {PLAN_ROW_BYTES}], got {list(plan.shape)}")
+    raise ValueError(f"argument '{name}': expected shape [M, {ROW_BYTES}], got {list(plan.shape)}")
 
 
 def _host_lengths(lengths, name: str) -> list[int]:
@@ -195,20 +163,20 @@ def plan_online_prefill(
     num_rows = compress_plan.shape[0]
     if total != num_rows:
         raise ValueError(
-            f"argument 'compress_plan': expected [sum(extend_lens), 16] = [{total}, 16] "
-            f"(write_plan too), got [{num_rows}, 16]"
+            f"argument 'compress_plan': expected [sum(extend_lens), {ROW_BYTES}] = [{total}, {ROW_BYTES}] "
+            f"(write_plan too), got [{num_rows}, {ROW_BYTES}]"
         )
 
     compress_rows, write_rows = plan_segments(extend, seq)
     num_compress, num_write = len(compress_rows), len(write_rows)
     if num_compress:
-        compress_plan[:num_compress].copy_(encode_plan(compress_rows))
+        compress_plan[:num_compress].copy_(encode_rows(compress_rows))
     if num_write:
-        write_plan[:num_write].copy_(encode_plan(write_rows))
+        write_plan[:num_write].copy_(encode_rows(write_rows))
     if not use_cuda_graph:
         return num_compress, num_write
-    compress_plan[num_compress:].fill_(0xFF)
-    write_plan[num_write:].fill_(0xFF)
+    compress_plan[num_compress:].fill_(PADDING_BYTE)
+    write_plan[num_write:].fill_(PADDING_BYTE)
     return num_rows, num_rows
 
 
@@ -247,8 +215,8 @@ def _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, 
             raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"argument '{name}': expected a floating-point tensor, got {t.dtype}")
-    if ape.dim() != 2 or ape.shape[0] != CHUNK:
-        raise ValueError(f"argument 'ape': expected shape [{CHUNK}, D], got {list(ape.shape)}")
+    if ape.dim() != 2 or ape.shape[0] != CHUNK_SIZE:
+        raise ValueError(f"argument 'ape': expected shape [{CHUNK_SIZE}, D], got {list(ape.shape)}")
     d = ape.shape[1]
     if kv_score_buffer.dim() != 3 or kv_score_buffer.shape[1] != 1 or kv_score_buffer.shape[2] != 3 * d:
         raise ValueError(
@@ -327,7 +295,7 @@ def run_decode(
     position = seq_lens.to(torch.int64) - 1
     if int(position.min()) < 0:
         raise ValueError(f"argument 'seq_lens': expected every seq_len >= 1, got {seq_lens.tolist()}")
-    j = position % CHUNK
+    j = position % CHUNK_SIZE
 
     x = kv_score_input.to(torch.float64)
     v = x[:, :d]
@@ -347,7 +315,7 @@ def run_decode(
     new_total = torch.where(reset, torch.ones_like(new_total), new_total)
     new_kv = torch.where(reset, v, new_kv)
 
-    closes = j == CHUNK - 1
+    closes = j == CHUNK_SIZE - 1
     if bool(closes.any()):
         kv_compressed_output[closes] = new_kv[closes].to(kv_compressed_output.dtype)
     keep = ~closes
@@ -361,35 +329,16 @@ def run_decode(
 # ---------------------------------------------------------------------------
 
 
-def _live_rows(plan: torch.Tensor, name: str, num_tokens: int, batch: int, compress: bool) -> np.ndarray:
-    """Decodes a plan, drops sentinel rows and validates the rest against the input sizes."""
-    _check_plan_tensor(plan, name)  # before decode_plan, so the error names this plan
-    rows = decode_plan(plan)
-    rows = rows[rows[:, 0] != PLAN_SENTINEL]
-    for ragged, b, position, window in rows.tolist():
-        offset = position % CHUNK
-        problem = None
-        if not 1 <= window <= CHUNK:
-            problem = f"window_len {window} not in [1, {CHUNK}]"
-        elif ragged >= num_tokens or ragged - window + 1 < 0:
-            problem = f"ragged rows {ragged - window + 1}..{ragged} outside the input's {num_tokens} rows"
-        elif b >= batch:
-            problem = f"batch_id {b} outside the batch of {batch}"
-        elif offset - window + 1 < 0:
-            problem = f"window_len {window} crosses a chunk start (position {position})"
-        elif compress and offset != CHUNK - 1:
-            problem = f"compress row at position {position} does not close a chunk"
-        elif not compress and offset == CHUNK - 1:
-            problem = f"write row at position {position} closes a chunk"
-        if problem:
-            raise ValueError(f"argument '{name}': bad row {(ragged, b, position, window)}: {problem}")
-    return rows
+def _live_rows(plan: torch.Tensor, name: str, num_tokens: int, batch: int, compress: bool) -> torch.Tensor:
+    """Decodes a plan, drops padding rows and checks the rest against the input sizes (``plan_rows.check_rows``)."""
+    _check_plan_tensor(plan, name)  # first, so that a wrong tensor is named as such
+    return check_rows(plan, name, num_tokens=num_tokens, batch=batch, compress=compress)
 
 
 def _prefill_row_state(row, x: torch.Tensor, ape64: torch.Tensor, prior: torch.Tensor, d: int):
     """The state after segment ``row``: its tokens' softmax, merged with ``prior`` unless it starts a chunk."""
     ragged, _, position, window = (int(v) for v in row)
-    end = position % CHUNK
+    end = position % CHUNK_SIZE
     start = end - window + 1
     tokens = x[ragged - window + 1 : ragged + 1]
     state = _segment_state(tokens[:, :d], tokens[:, d:] + ape64[start : end + 1])
