@@ -1,6 +1,7 @@
 """Benchmark the online c128 kernels on a GPU against pure torch and the copy ceiling.
 
     python scripts/bench.py [--head-dim 512] [--json bench.json] [--quick] [--skip-torch]
+                            [--state-dtype float32 bfloat16]
                             [--reference ../shared/seed/c128_online.cuh.txt]
 
 Times are CUDA-event medians; decode at small batch is timed as CUDA-graph
@@ -11,7 +12,9 @@ rows (prefill, and decode at large batch) replay a graph of 10 calls and give
 the kernels' own time. "% of copy" is the bytes that must cross HBM once
 (inputs read, outputs and states written, prior states read) over the time,
 divided by the rate of a large device-to-device copy measured in the same run
-(bytes read plus written).
+(bytes read plus written); state bytes count at the state dtype's size, so a
+bfloat16 pool's rows show the bytes it really moves. Each state dtype is its
+own implementation row ("flash_compress" float32, "flash_compress bf16").
 With ``--reference``, the reference design (``scripts/reference_design.py``)
 runs the same cases on the same data in the same run, planned by its own
 planner.
@@ -114,6 +117,17 @@ def torch_decode(state, kv_score_input, out, ape, indices, seq_lens):
 # --- cases ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """What a call must move across HBM once: float32 bytes, and state values (read plus written)."""
+
+    float_bytes: int
+    state_values: int
+
+    def bytes(self, state_dtype: torch.dtype) -> int:
+        return self.float_bytes + self.state_values * torch.empty(0, dtype=state_dtype).element_size()
+
+
 def plan(module, extend_lens, seq_lens, use_cuda_graph):
     rows = int(sum(extend_lens))
     compress_plan = torch.empty(rows, ROW_BYTES, dtype=torch.uint8)
@@ -144,8 +158,8 @@ def prefill_case(module, head_dim, batch, extend, random_prefix, gen):
     num_closed = exact[0].shape[0]
     prior_reads = sum(1 for p in prefixes if p % CHUNK_SIZE)
     state_writes = exact[1].shape[0]
-    bytes_moved = 4 * (rows * 2 * head_dim + num_closed * head_dim + (prior_reads + state_writes) * 3 * head_dim)
-    return data, exact, padded, bytes_moved
+    return data, exact, padded, Traffic(4 * (rows * 2 * head_dim + num_closed * head_dim),
+                                        (prior_reads + state_writes) * 3 * head_dim)
 
 
 def decode_case(head_dim, batch, device="cuda"):
@@ -162,23 +176,26 @@ def decode_case(head_dim, batch, device="cuda"):
     closing = int((pos == CHUNK_SIZE - 1).sum())
     # Every input row; the state of every request not at a chunk start; a
     # state written back, or for a closing chunk its output row instead.
-    bytes_moved = 4 * head_dim * (2 * batch + 3 * state_reads + 3 * (batch - closing) + closing)
-    return (state, tokens, out, ape, indices, seq_lens), bytes_moved
+    traffic = Traffic(4 * head_dim * (2 * batch + closing), 3 * head_dim * (state_reads + batch - closing))
+    return (state, tokens, out, ape, indices, seq_lens), traffic
 
 
 PREFILL_CASES = [("1x32768 from 0", 1, 32768, False), ("8x16384 from 0", 8, 16384, False),
                  ("64x1024 random prefix", 64, 1024, True), ("256x300 random prefix", 256, 300, True)]
-DECODE_BATCHES = [1, 64, 512, 32768]
+DECODE_BATCHES = [1, 64, 512, 4096, 32768]
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def implementations(args) -> list[tuple[str, object]]:
-    """(name, module) of each implementation to time; ours first."""
-    impls = [("flash_compress", flash_compress.load_module(args.head_dim))]
+def implementations(args) -> list[tuple[str, object, torch.dtype]]:
+    """(name, module, state dtype) of each implementation to time; ours first (float32 first)."""
+    impls = [("flash_compress" + ("" if dtype == "float32" else " bf16"),
+              flash_compress.load_module(args.head_dim, state_dtype=dtype), STATE_DTYPES[dtype])
+             for dtype in sorted(args.state_dtype, key=list(STATE_DTYPES).index)]
     if args.reference:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from reference_design import load_reference
 
-        impls.append(("reference design", load_reference(args.reference, args.head_dim)))
+        impls.append(("reference design", load_reference(args.reference, args.head_dim), torch.float32))
     return impls
 
 
@@ -186,62 +203,69 @@ def run(args) -> list[Row]:
     head_dim = args.head_dim
     impls = implementations(args)
     module = impls[0][1]
+    planner = flash_compress.c128_online.load_planner()
     gen = torch.Generator().manual_seed(0)
     ceiling = copy_gbps()
     print(f"device: {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s (read + write)")
     rows: list[Row] = []
 
-    def add(case, impl, ms, bytes_moved):
-        gbps = bytes_moved / (ms * 1e-3) / 1e9
+    def add(case, impl, ms, traffic, state_dtype=torch.float32):
+        gbps = traffic.bytes(state_dtype) / (ms * 1e-3) / 1e9
         rows.append(Row(case, impl, ms * 1e3, gbps, 100 * gbps / ceiling))
 
     prefill_cases = PREFILL_CASES if not args.quick else PREFILL_CASES[:1] + PREFILL_CASES[2:3]
     for name, batch, extend, random_prefix in prefill_cases:
-        data, exact, padded, bytes_moved = prefill_case(module, head_dim, batch, extend, random_prefix, gen)
+        data, exact, padded, traffic = prefill_case(planner, head_dim, batch, extend, random_prefix, gen)
         d = data
 
-        for impl, impl_module in impls:
+        for impl, impl_module, state_dtype in impls:
             # Each implementation runs the plans of its own planner (ours are planned already).
-            own_exact, own_padded = (exact, padded) if impl_module is module else (
+            ours = impl.startswith("flash_compress")
+            own_exact, own_padded = (exact, padded) if ours else (
                 plan(impl_module, [extend] * batch, d["seq_lens"], False),
                 plan(impl_module, [extend] * batch, d["seq_lens"], True))
+            state = d["state"].to(state_dtype)
 
-            def call(plans, m=impl_module):
-                m.run_prefill(d["state"], d["input"], d["out"], d["ape"], d["indices"], *plans, None)
+            def call(plans, m=impl_module, state=state):
+                m.run_prefill(state, d["input"], d["out"], d["ape"], d["indices"], *plans, None)
 
-            add(f"prefill {name}", impl, median_ms(lambda: call(own_exact)), bytes_moved)
-            add(f"prefill {name}", f"{impl} graph-plan", median_ms(lambda: call(own_padded)), bytes_moved)
+            add(f"prefill {name}", impl, median_ms(lambda: call(own_exact)), traffic, state_dtype)
+            add(f"prefill {name}", f"{impl} graph-plan", median_ms(lambda: call(own_padded)), traffic, state_dtype)
             # The kernels alone: a single call's events also hold its host and launch latency.
             add(f"prefill {name}", f"{impl} in graph", graph_median_ms(lambda: call(own_exact), launches=10, iters=20),
-                bytes_moved)
+                traffic, state_dtype)
+            del state
         if not random_prefix and not args.skip_torch:
             out_rows = torch.empty(batch * extend // CHUNK_SIZE, head_dim, device="cuda")
             add(f"prefill {name}", "torch eager",
-                median_ms(lambda: torch_prefill_aligned(d["input"], d["ape"], out_rows), iters=20), bytes_moved)
+                median_ms(lambda: torch_prefill_aligned(d["input"], d["ape"], out_rows), iters=20), traffic)
             compiled = torch.compile(torch_prefill_aligned)
             add(f"prefill {name}", "torch.compile",
-                median_ms(lambda: compiled(d["input"], d["ape"], out_rows), iters=20, warmup=3), bytes_moved)
+                median_ms(lambda: compiled(d["input"], d["ape"], out_rows), iters=20, warmup=3), traffic)
         del data
 
     decode_batches = DECODE_BATCHES if not args.quick else [1, 32768]
     for batch in decode_batches:
-        decode_args, bytes_moved = decode_case(head_dim, batch)
+        decode_args, traffic = decode_case(head_dim, batch)
 
         def eager():
             torch_decode(*decode_args)
 
         in_graph = batch <= 4096
         case = f"decode B={batch}" + (" (graph)" if in_graph else "")
-        for impl, impl_module in impls:
-            def call(m=impl_module):
-                m.run_decode(*decode_args, None)
+        for impl, impl_module, state_dtype in impls:
+            impl_args = (decode_args[0].to(state_dtype), *decode_args[1:])
 
-            add(case, impl, graph_median_ms(call) if in_graph else median_ms(call), bytes_moved)
+            def call(m=impl_module, impl_args=impl_args):
+                m.run_decode(*impl_args, None)
+
+            add(case, impl, graph_median_ms(call) if in_graph else median_ms(call), traffic, state_dtype)
             if not in_graph:  # the kernel alone, as the prefill rows' "in graph"
-                add(case, f"{impl} in graph", graph_median_ms(call, launches=10, iters=20), bytes_moved)
+                add(case, f"{impl} in graph", graph_median_ms(call, launches=10, iters=20), traffic, state_dtype)
+            del impl_args
         if not args.skip_torch:
             add(case, "torch eager", graph_median_ms(eager, launches=10) if in_graph else median_ms(eager, iters=20),
-                bytes_moved)
+                traffic)
     return rows, ceiling
 
 
@@ -251,6 +275,8 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the rows here as JSON")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--skip-torch", action="store_true", help="time only this project and the copy")
+    parser.add_argument("--state-dtype", nargs="+", choices=list(STATE_DTYPES), default=list(STATE_DTYPES),
+                        help="state dtypes of our kernels to time, each its own implementation (default: both)")
     parser.add_argument("--reference", default=None, metavar="SEED",
                         help="also time the reference design built from this seed file (the upstream contract's seed kernel)")
     args = parser.parse_args()
@@ -264,7 +290,7 @@ def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_planner import planner_rows
 
-    planner = planner_rows(flash_compress.load_module(args.head_dim))
+    planner = planner_rows(flash_compress.c128_online.load_planner())
     print(f"\n{'planner case':34} {'impl':28} {'us':>10}")
     for r in planner:
         print(f"{r['case']:34} {r['impl']:28} {r['us']:10.2f}")

@@ -1,6 +1,7 @@
 """Time edited copies of the kernel header against the tree (and the reference design) in one process.
 
-    python scripts/bench_variants.py [--reference SEED] [--rounds 5] [--decode-only] NAME=PATH ...
+    python scripts/bench_variants.py [--reference SEED] [--rounds 5] [--decode-only] [--state-dtype bfloat16]
+                                     NAME=PATH ...
 
 Each NAME=PATH is a variant of ``csrc/deepseek_v4/c128_online.cuh`` (e.g. the
 committed file, or one with a constant changed); it is built as its own JIT
@@ -38,14 +39,14 @@ from flash_compress.c128_online import spec  # noqa: E402
 KERNEL_DIR = ROOT / "csrc" / "deepseek_v4"
 
 
-def load_variant(name: str, header: Path, head_dim: int, source_root: Path):
+def load_variant(name: str, header: Path, head_dim: int, source_root: Path, state_dtype: str):
     """The module built from `header` in place of the tree's c128_online.cuh."""
     folder = source_root / name / "deepseek_v4"
     folder.mkdir(parents=True)
     for other in KERNEL_DIR.iterdir():
         shutil.copy(other, folder / other.name)
     shutil.copy(header, folder / "c128_online.cuh")
-    tree = spec(head_dim, True)
+    tree = spec(head_dim, True, state_dtype)
     return jit.load(dataclasses.replace(tree, name=f"{tree.name}_variant_{name}",
                                         include_dirs=(folder.parent, *tree.include_dirs[1:])))
 
@@ -57,8 +58,9 @@ def parse_variant(text: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
-def cases(impls: dict, head_dim: int, decode_only: bool) -> dict[str, dict[str, tuple]]:
-    """case -> impl -> (call, timed in a graph, launches per graph)."""
+def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtype) -> dict[str, dict[str, tuple]]:
+    """case -> impl -> (call, timed in a graph, launches per graph); states in ``state_dtype``
+    (the reference design's in float32)."""
     out: dict[str, dict[str, tuple]] = {}
     gen = torch.Generator().manual_seed(0)
     tree = next(iter(impls.values()))
@@ -67,9 +69,10 @@ def cases(impls: dict, head_dim: int, decode_only: bool) -> dict[str, dict[str, 
         for impl, m in impls.items():
             exact = bench.plan(m, [extend] * batch, d["seq_lens"], False)
             padded = bench.plan(m, [extend] * batch, d["seq_lens"], True)
+            state = d["state"] if impl == "reference" else d["state"].to(state_dtype)
 
-            def call(plans, m=m, d=d):
-                m.run_prefill(d["state"], d["input"], d["out"], d["ape"], d["indices"], *plans, None)
+            def call(plans, m=m, d=d, state=state):
+                m.run_prefill(state, d["input"], d["out"], d["ape"], d["indices"], *plans, None)
 
             out.setdefault(f"prefill {name}", {})[impl] = (lambda c=call, p=exact: c(p), False, 0)
             out.setdefault(f"prefill {name} in graph", {})[impl] = (lambda c=call, p=exact: c(p), True, 10)
@@ -77,7 +80,8 @@ def cases(impls: dict, head_dim: int, decode_only: bool) -> dict[str, dict[str, 
     for batch in bench.DECODE_BATCHES:
         args, _ = bench.decode_case(head_dim, batch)
         for impl, m in impls.items():
-            out.setdefault(f"decode B={batch}", {})[impl] = (lambda m=m, a=args: m.run_decode(*a, None), batch <= 4096,
+            a = args if impl == "reference" else (args[0].to(state_dtype), *args[1:])
+            out.setdefault(f"decode B={batch}", {})[impl] = (lambda m=m, a=a: m.run_decode(*a, None), batch <= 4096,
                                                              100)
     return out
 
@@ -89,14 +93,16 @@ def main() -> int:
     parser.add_argument("--reference", default=None, metavar="SEED", help="also time the reference design")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--decode-only", action="store_true")
+    parser.add_argument("--state-dtype", choices=list(bench.STATE_DTYPES), default="float32")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_variants.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    loaders = {"tree": lambda: flash_compress.load_module(args.head_dim, use_pdl=True)}
+    loaders = {"tree": lambda: flash_compress.load_module(args.head_dim, use_pdl=True, state_dtype=args.state_dtype)}
     with tempfile.TemporaryDirectory(prefix="flash-compress-variants-") as source_root:
         for name, header in args.variants:
-            loaders[name] = lambda n=name, h=header: load_variant(n, h, args.head_dim, Path(source_root))
+            loaders[name] = lambda n=name, h=header: load_variant(n, h, args.head_dim, Path(source_root),
+                                                                  args.state_dtype)
         if args.reference:
             from reference_design import load_reference
 
@@ -104,7 +110,7 @@ def main() -> int:
         with ThreadPoolExecutor() as pool:  # the builds are nvcc processes: run them side by side
             futures = {name: pool.submit(load) for name, load in loaders.items()}
             impls = {name: future.result() for name, future in futures.items()}
-    timed = cases(impls, args.head_dim, args.decode_only)
+    timed = cases(impls, args.head_dim, args.decode_only, bench.STATE_DTYPES[args.state_dtype])
     timings: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.rounds):
         for case, per_impl in timed.items():

@@ -1,7 +1,8 @@
 """An engine-like random schedule driver for any online-c128 implementation.
 
 ``impl`` is anything with ``run_decode``, ``run_prefill`` and
-``plan_online_prefill`` taking tensors as ``docs/SPEC.md`` section 3 says: the
+``plan_online_prefill`` taking tensors as ``docs/SPEC.md`` section 3 says (and
+``run_prefill_compact``, section 10, when compact prefills are asked for): the
 :mod:`flash_compress.reference` module, or a compiled module from
 ``flash_compress.load_module(head_dim)`` (whose planner returns a
 ``tvm_ffi.Array``; counts are normalised with ``tuple(int(x) for x in r)``).
@@ -20,18 +21,35 @@ requests, each holding one slot. Every step is either
 Requests also finish (their slot goes back to the free pool, content kept) and
 new ones start at length 0. Token data is fresh ``torch.randn`` float32 (scores
 scaled by ``score_scale`` so the softmax is far from uniform). The state buffer
-starts all-NaN, so an implementation that reads a state it should ignore (a
-chunk's first token, a fresh slot) poisons its result and fails.
+(float32 or bfloat16, ``state_dtype``, SPEC section 8) starts all-NaN, so an
+implementation that reads a state it should ignore (a chunk's first token, a
+fresh slot) poisons its result and fails. A prefill goes through
+``run_prefill`` or, with ``compact``, ``run_prefill_compact`` (an ``[M_c, D]``
+output, one row per compress-plan row).
 
 Checks after every call (tolerances in ``tests/oracle.py``):
 
 - ``kv_compressed_output`` is poisoned with NaN before the call; every row of a
-  chunk-closing token must match the float64 offline chunk softmax
-  (``oracle.chunk_output``), every other row must still be NaN;
+  chunk-closing token (compact: every row of a live compress-plan row, in plan
+  order) must match the float64 offline chunk softmax (``oracle.chunk_output``),
+  every other row (compact: every padding row's) must still be NaN;
 - the planner's counts match the expected number of compress / write rows
   (``(M, M)`` with ``use_cuda_graph``, whose padding must be all 0xFF);
 - every slot that must not be written is bitwise unchanged; every slot that must
-  be written holds the oracle's partial-chunk state.
+  be written holds the oracle's partial-chunk state (``oracle.assert_state_close``,
+  whose tolerances depend on the state dtype);
+- with a ``shadow`` implementation (e.g. the reference module), the same call
+  runs on a CPU copy of the pre-call buffer with the same inputs, and the
+  implementation must match it tightly: emitted rows to :data:`SHADOW_ROW_RTOL`,
+  float32 states to float32 rounding, bfloat16 states bitwise except elements
+  one bf16 ulp apart (a float32 and a float64 computation that land on either
+  side of a rounding boundary) or equal on their field's scale
+  (:func:`bf16_state_flips`), which must stay rarer than
+  :data:`SHADOW_MAX_FLIP_RATE` over the run.
+
+Every error measured against the oracle is kept in the stats (``row_errors``,
+``state_kv_errors``, ``state_lse_errors``), so a run can report its
+distribution (``scripts/bf16_accuracy.py`` does).
 
 ``check_live_states()`` (run at the end of :meth:`ScheduleHarness.run`) checks
 every live request's slot against the oracle's partial-chunk state (finite,
@@ -57,17 +75,61 @@ from typing import Any, Optional, Sequence
 import torch
 
 import oracle
-from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE, ROW_BYTES
+from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE, PADDING_ROW, ROW_BYTES, decode_rows
 
 __all__ = [
+    "SHADOW_MAX_FLIP_RATE",
+    "SHADOW_ROW_RTOL",
     "Request",
     "ScheduleHarness",
     "ScheduleStats",
+    "bf16_state_flips",
+    "bits",
     "choose_extend",
     "counts_of",
     "plan_with",
     "run_schedule",
 ]
+
+#: Emitted rows against the shadow: a float32 computation against a float64 one from the same inputs.
+SHADOW_ROW_RTOL = 2e-5
+#: Most bfloat16 state elements (as a fraction of those compared) that may differ from the shadow's
+#: (``bf16_state_flips``; measured with tests/float32_model.py: about 5e-5).
+SHADOW_MAX_FLIP_RATE = 1e-3
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size (bitwise comparisons; NaN equals an identical NaN)."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def bf16_state_flips(got: torch.Tensor, want: torch.Tensor, what: str) -> int:
+    """Compares two bfloat16 states ``[3D]`` bitwise, tolerating float32-vs-float64 rounding; returns how many differ.
+
+    A differing element is tolerated when both values are finite and either
+    (a) they are neighbouring bf16 values (same sign, encodings one apart: the
+    two computations fell on either side of a rounding boundary), or (b) they
+    are within ``SHADOW_ROW_RTOL`` of the largest ``|want|`` of their field
+    (max, sum or kv): a near-zero ``kv`` channel is a difference of large
+    terms, so its float32 value may be several of its own ulps off while
+    being exact on the row's scale. Any other difference raises AssertionError.
+    """
+    g, w = bits(got).to(torch.int32), bits(want).to(torch.int32)
+    differ = g != w
+    if not bool(differ.any()):
+        return 0
+    got64, want64 = got.to(torch.float64).reshape(3, -1), want.to(torch.float64).reshape(3, -1)
+    scale = want64.abs().amax(dim=1, keepdim=True)
+    near = ((got64 - want64).abs() <= SHADOW_ROW_RTOL * scale).reshape(got.shape)
+    neighbours = ((g < 0) == (w < 0)) & ((g - w).abs() == 1)
+    bad = differ & ~((neighbours | near) & torch.isfinite(got) & torch.isfinite(want))
+    if bool(bad.any()):
+        i = int(bad.flatten().nonzero()[0])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} bf16 elements differ from the shadow by more than float32 rounding; "
+            f"first at index {i} of [max | sum | kv]: {float(got.flatten()[i])!r} vs {float(want.flatten()[i])!r}"
+        )
+    return int(differ.sum())
 
 
 def counts_of(result: Any) -> tuple[int, ...]:
@@ -195,8 +257,16 @@ class ScheduleStats:
     decode_closes: int = 0
     decode_resets: int = 0
     max_boundaries_crossed: int = 0
+    compact_calls: int = 0
+    compact_padding_rows: int = 0  # output rows of padding plan rows checked untouched
+    shadow_checks: int = 0  # calls compared against the shadow
+    shadow_state_elements: int = 0  # state elements compared against the shadow
+    shadow_flips: int = 0  # of those, bf16 elements not bitwise equal (but within float32 rounding)
     extend_kinds: dict[str, int] = field(default_factory=dict)
     prefix_mod: dict[int, int] = field(default_factory=dict)  # prefix % 128 in {127, 0, 1} before a prefill
+    row_errors: list[float] = field(default_factory=list)  # per emitted row, vs the oracle
+    state_kv_errors: list[float] = field(default_factory=list)  # per stored state, kv vs the oracle
+    state_lse_errors: list[float] = field(default_factory=list)  # per stored state, max + log(sum) vs the oracle
 
 
 class ScheduleHarness:
@@ -217,6 +287,13 @@ class ScheduleHarness:
         finish_prob: chance per step that a live request (length > 0) finishes.
         score_scale, ape_scale: standard deviations of scores and ape.
         planner: object whose ``plan_online_prefill`` plans (default ``impl``).
+        state_dtype: dtype of the state pool, float32 or bfloat16.
+        compact: prefill through ``run_prefill_compact`` always (True), never (False)
+            or at random (None).
+        shadow: an implementation run call by call on CPU copies (see the module
+            docstring), or None.
+        tolerances: bounds against the oracle (default ``oracle.tolerances(state_dtype)``;
+            ``oracle.Tolerances.unchecked()`` to only measure).
     """
 
     def __init__(
@@ -236,9 +313,17 @@ class ScheduleHarness:
         score_scale: float = 2.0,
         ape_scale: float = 1.0,
         planner: Any = None,
+        state_dtype: torch.dtype = torch.float32,
+        compact: Optional[bool] = False,
+        shadow: Any = None,
+        tolerances: Optional[oracle.Tolerances] = None,
     ) -> None:
         if num_slots < max_requests:
             raise ValueError("num_slots must be >= max_requests")
+        self.state_dtype = state_dtype
+        self.tol = oracle.tolerances(state_dtype) if tolerances is None else tolerances
+        self.compact = compact
+        self.shadow = shadow
         self.impl = impl
         self.planner = impl if planner is None else planner
         self.head_dim = head_dim
@@ -256,7 +341,7 @@ class ScheduleHarness:
         ape = torch.randn(CHUNK_SIZE, head_dim, generator=self.gen) * ape_scale
         self.ape64 = ape.to(torch.float64)
         self.ape = ape.to(self.device)
-        self.buffer = torch.full((num_slots, 1, 3 * head_dim), float("nan"), device=self.device)
+        self.buffer = torch.full((num_slots, 1, 3 * head_dim), float("nan"), dtype=state_dtype, device=self.device)
         self.requests: list[Request] = []
         self.free_slots: list[int] = list(range(num_slots))
         self.next_rid = 0
@@ -294,12 +379,16 @@ class ScheduleHarness:
     # -- checks ------------------------------------------------------------
 
     def _check_outputs(self, out: torch.Tensor, expected: dict[int, torch.Tensor], what: str) -> None:
+        """Rows ``expected`` (output row -> oracle row) match the oracle; every other row is still NaN."""
         out_cpu = out.detach().to("cpu")
         written = torch.zeros(out_cpu.shape[0], dtype=torch.bool)
         if expected:
             rows = sorted(expected)
             written[rows] = True
-            oracle.assert_rows_close(out_cpu[rows], torch.stack([expected[r] for r in rows]), f"{what}: output rows {rows}")
+            got, want = out_cpu[rows], torch.stack([expected[r] for r in rows])
+            rel = oracle.row_relative_error(got, want)
+            self.stats.row_errors += rel.tolist()
+            oracle.assert_rows_close(got, want, f"{what}: output rows {rows}", rtol=self.tol.row_rtol)
             self.stats.rows_checked += len(rows)
         untouched = out_cpu[~written]
         if untouched.numel() and not bool(torch.isnan(untouched).all()):
@@ -312,17 +401,61 @@ class ScheduleHarness:
         if written:
             keep[list(written)] = False
         if bool(keep.any()):
-            old = before[keep].view(torch.int32)
-            new = self.buffer[keep].view(torch.int32)
-            if not torch.equal(old, new):
+            if not torch.equal(bits(before[keep]), bits(self.buffer[keep])):
                 slots = keep.nonzero().flatten().tolist()
-                changed = [s for s in slots if not torch.equal(before[s].view(torch.int32), self.buffer[s].view(torch.int32))]
+                changed = [s for s in slots if not torch.equal(bits(before[s]), bits(self.buffer[s]))]
                 raise AssertionError(f"{what}: slots {changed} changed but must stay bitwise untouched")
         for slot, request in written.items():
             want = request.open_state(self.ape64)
             assert want is not None, "harness bug: a written slot must have an open chunk"
-            oracle.assert_state_close(self.buffer[slot, 0], want, f"{what}: slot {slot} (request {request.rid})")
+            errors = oracle.assert_state_close(self.buffer[slot, 0], want, f"{what}: slot {slot} (request {request.rid})",
+                                               tol=self.tol)
+            self.stats.state_kv_errors.append(errors["kv"])
+            self.stats.state_lse_errors.append(errors["lse"])
             self.stats.states_checked += 1
+
+    def _check_shadow(self, out: torch.Tensor, shadow_out: torch.Tensor, shadow_buffer: torch.Tensor,
+                      written: Sequence[int], what: str) -> None:
+        """The implementation's output and written slots against the shadow's, tightly (module docstring)."""
+        what = f"{what} vs shadow"
+        out_cpu = out.detach().to("cpu")
+        nan_rows, shadow_nan_rows = torch.isnan(out_cpu).all(dim=1), torch.isnan(shadow_out).all(dim=1)
+        if not torch.equal(nan_rows, shadow_nan_rows):
+            rows = (nan_rows != shadow_nan_rows).nonzero().flatten().tolist()
+            raise AssertionError(f"{what}: output rows {rows} written by one of the two only")
+        live = ~nan_rows
+        oracle.assert_rows_close(out_cpu[live], shadow_out[live], f"{what}: output rows", rtol=SHADOW_ROW_RTOL)
+        for slot in written:
+            got, want = self.buffer[slot, 0].detach().to("cpu"), shadow_buffer[slot, 0]
+            if self.state_dtype == torch.bfloat16:
+                self.stats.shadow_flips += bf16_state_flips(got, want, f"{what}: slot {slot}")
+            else:
+                d = self.head_dim
+                want64 = want.to(torch.float64)
+                state = oracle.PartialState(max=want64[:d], sum=want64[d : 2 * d], kv=want64[2 * d :])
+                oracle.assert_state_close(got, state, f"{what}: slot {slot}", tol=oracle.FLOAT32)
+            self.stats.shadow_state_elements += got.numel()
+        self.stats.shadow_checks += 1
+
+    def check_shadow_flip_rate(self) -> None:
+        """bf16 state elements not bitwise equal to the shadow's: at most ``SHADOW_MAX_FLIP_RATE`` of those compared.
+
+        One flip is always allowed, so that a short run is not failed by a single one.
+        """
+        elements, flips = self.stats.shadow_state_elements, self.stats.shadow_flips
+        if flips > max(1.0, SHADOW_MAX_FLIP_RATE * elements):
+            raise AssertionError(
+                f"{flips} of {elements} bf16 state elements differ from the shadow, more than the "
+                f"{SHADOW_MAX_FLIP_RATE:g} allowed: a different rounding scheme, not float32 rounding"
+            )
+
+    def _in_shadow(self, call: str, before: torch.Tensor, out: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs ``shadow.<call>`` on a CPU copy of ``before`` and a NaN output like ``out``; returns (buffer, output)."""
+        buffer = before.detach().to("cpu", copy=True)
+        shadow_out = torch.full(tuple(out.shape), float("nan"), dtype=out.dtype)
+        cpu_args = [a.detach().to("cpu") if isinstance(a, torch.Tensor) else a for a in args]
+        getattr(self.shadow, call)(buffer, cpu_args[0], shadow_out, *cpu_args[1:])
+        return buffer, shadow_out
 
     def check_live_states(self) -> None:
         """Every live request with an open chunk: its slot holds the oracle's partial-chunk state (and no NaN)."""
@@ -330,7 +463,8 @@ class ScheduleHarness:
             want = request.open_state(self.ape64)
             if want is None:
                 continue
-            oracle.assert_state_close(self.buffer[request.slot, 0], want, f"live slot {request.slot} (request {request.rid})")
+            oracle.assert_state_close(self.buffer[request.slot, 0], want, f"live slot {request.slot} (request {request.rid})",
+                                      tol=self.tol)
             self.stats.live_states_checked += 1
 
     # -- steps -------------------------------------------------------------
@@ -344,6 +478,8 @@ class ScheduleHarness:
         indices = torch.tensor([r.slot for r in batch], dtype=torch.int32, device=self.device)
         before = self.buffer.clone()
         self.impl.run_decode(self.buffer, inp, out, self.ape, indices, seq_lens, None)
+        if self.shadow is not None:
+            shadow_buffer, shadow_out = self._in_shadow("run_decode", before, out, inp, self.ape, indices, seq_lens, None)
         expected: dict[int, torch.Tensor] = {}
         written: dict[int, Request] = {}
         for b, request in enumerate(batch):
@@ -358,6 +494,8 @@ class ScheduleHarness:
         what = f"decode step {self.stats.decode_calls} (batch {n})"
         self._check_outputs(out, expected, what)
         self._check_buffer(before, written, what)
+        if self.shadow is not None:
+            self._check_shadow(out, shadow_out, shadow_buffer, list(written), what)
         self.stats.decode_calls += 1
         self.stats.tokens += n
 
@@ -367,11 +505,13 @@ class ScheduleHarness:
         *,
         use_cuda_graph: bool = False,
         pass_load_indices: bool = False,
+        compact: bool = False,
     ) -> None:
-        """One plan + ``run_prefill`` call; ``batch`` is ``[(request, extend_len, new_slot or None)]``.
+        """One plan + ``run_prefill`` (``run_prefill_compact`` with ``compact``) call.
 
-        A request with a ``new_slot`` (a free slot) reads its prior state from
-        its old slot (``load_indices``) and writes to the new one, then holds it.
+        ``batch`` is ``[(request, extend_len, new_slot or None)]``. A request
+        with a ``new_slot`` (a free slot) reads its prior state from its old
+        slot (``load_indices``) and writes to the new one, then holds it.
         ``load_indices`` is passed when anything moves or ``pass_load_indices``.
         """
         extend_lens = [e for _, e, _ in batch]
@@ -399,7 +539,8 @@ class ScheduleHarness:
             len(range(r.length + (CHUNK_SIZE - 1 - r.length % CHUNK_SIZE), r.length + e, CHUNK_SIZE)) for r, e, _ in batch
         )
         want_write = sum(1 for n in seq_lens if n % CHUNK_SIZE != 0)
-        what = f"prefill step {self.stats.prefill_calls} (extends {extend_lens}, cuda_graph={use_cuda_graph})"
+        what = (f"prefill step {self.stats.prefill_calls} (extends {extend_lens}, cuda_graph={use_cuda_graph}, "
+                f"compact={compact})")
         if use_cuda_graph:
             assert counts == (total, total), f"{what}: planner returned {counts}, want {(total, total)}"
             for name, plan, n in (("compress", compress_cpu, want_compress), ("write", write_cpu, want_write)):
@@ -413,21 +554,16 @@ class ScheduleHarness:
             compress_plan, write_plan = compress_cpu[: counts[0]], write_cpu[: counts[1]]
 
         inp, kv64, score64 = self._tokens(total)
-        out = self._nan_output(total)
+        out = self._nan_output(compress_plan.shape[0] if compact else total)
         indices = torch.tensor(indices_list, dtype=torch.int32, device=self.device)
         use_load = bool(moving) or pass_load_indices
         load_indices = torch.tensor(load_list, dtype=torch.int32, device=self.device) if use_load else None
         before = self.buffer.clone()
-        self.impl.run_prefill(
-            self.buffer,
-            inp,
-            out,
-            self.ape,
-            indices,
-            compress_plan.to(self.device),
-            write_plan.to(self.device),
-            load_indices,
-        )
+        call = "run_prefill_compact" if compact else "run_prefill"
+        args = (inp, self.ape, indices, compress_plan.to(self.device), write_plan.to(self.device), load_indices)
+        getattr(self.impl, call)(self.buffer, args[0], out, *args[1:])
+        if self.shadow is not None:
+            shadow_buffer, shadow_out = self._in_shadow(call, before, out, *args)
 
         expected: dict[int, torch.Tensor] = {}
         written: dict[int, Request] = {}
@@ -450,8 +586,19 @@ class ScheduleHarness:
             if request.length % CHUNK_SIZE != 0:
                 written[slot] = request
             offset += extend
+        if compact:
+            # Output row i holds compress-plan row i's chunk; the plan lists chunks by request, then
+            # position, i.e. by ragged id, and its padding rows (CUDA-graph plans) come last.
+            ragged = decode_rows(compress_plan)[:, 0].tolist()
+            live = [r for r in ragged if r != PADDING_ROW]
+            assert live == sorted(expected), f"{what}: compress plan ragged ids {live}, want {sorted(expected)}"
+            expected = {i: expected[r] for i, r in enumerate(live)}
+            self.stats.compact_calls += 1
+            self.stats.compact_padding_rows += len(ragged) - len(live)
         self._check_outputs(out, expected, what)
         self._check_buffer(before, written, what)
+        if self.shadow is not None:
+            self._check_shadow(out, shadow_out, shadow_buffer, list(written), what)
         self.stats.prefill_calls += 1
         self.stats.load_indices_calls += int(use_load)
         self.stats.tokens += total
@@ -480,13 +627,16 @@ class ScheduleHarness:
             new_slot = free.pop() if free and rng.random() < self.relocate_prob else None
             plan.append((request, extend, new_slot))
         use_cuda_graph = rng.random() < 0.5 if self.cuda_graph is None else self.cuda_graph
-        self.prefill_step(plan, use_cuda_graph=use_cuda_graph, pass_load_indices=rng.random() < 0.3)
+        pass_load_indices = rng.random() < 0.3
+        compact = rng.random() < 0.5 if self.compact is None else self.compact
+        self.prefill_step(plan, use_cuda_graph=use_cuda_graph, pass_load_indices=pass_load_indices, compact=compact)
 
     def run(self, steps: int) -> ScheduleStats:
-        """Runs ``steps`` random steps, then checks every live state; returns the stats."""
+        """Runs ``steps`` random steps, then checks every live state (and the shadow flip rate); returns the stats."""
         for _ in range(steps):
             self.random_step()
         self.check_live_states()
+        self.check_shadow_flip_rate()
         return self.stats
 
 

@@ -33,8 +33,10 @@ def test_every_export_uses_the_public_macro():
         text = variant.translation_unit()
         assert text.count("TVM_FFI_DLL_EXPORT_TYPED_FUNC(") == len(variant.exports)
         assert not PRIVATE_TVM_FFI.search(text)
-    assert set(spec(128, False).exports) == {"run_decode", "run_prefill", "plan_online_prefill",
-                                             "plan_online_prefill_counted"}
+    for state_dtype in ("float32", "bfloat16"):
+        assert set(spec(128, False, state_dtype).exports) == {
+            "run_decode", "run_prefill", "run_prefill_compact", "run_verify", "run_commit", "plan_online_prefill",
+            "plan_online_prefill_counted"}
     assert set(planner_spec(True).exports) == {"plan_online_prefill", "plan_online_prefill_counted"}
 
 

@@ -2,17 +2,21 @@
 // (the planner that feeds prefill is c128_plan.cuh).
 //
 // Every request slot keeps a running softmax state `[max | sum | kv]` of
-// 3*D floats (kv is the normalised weighted mean). Channels are independent,
-// so every thread owns 4 consecutive channels and works on float4 vectors.
+// 3*D values (kv is the normalised weighted mean), float32 or bfloat16
+// (docs/SPEC.md section 8): arithmetic is float32 either way, and a bfloat16
+// state is rounded once per store. Channels are independent, so every thread
+// owns 4 consecutive channels and works on float4 vectors.
 #pragma once
 
 #include <dlpack/dlpack.h>
 #include <sgl_kernel/async_copy.cuh>
 #include <sgl_kernel/deepseek_v4/compress.cuh>
 #include "c128_plan.cuh"
+#include "c128_state.cuh"
 #include <sgl_kernel/runtime.cuh>
 #include <sgl_kernel/tensor.h>
 #include <sgl_kernel/tile.cuh>
+#include <sgl_kernel/type.cuh>
 #include <sgl_kernel/utils.cuh>
 #include <sgl_kernel/utils.h>
 #include <sgl_kernel/vec.cuh>
@@ -24,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace flash_compress::c128 {
 
@@ -31,117 +36,13 @@ using device::compress::kC128ChunkSize;
 using device::compress::kPlanSentinel;
 using device::compress::PrefillPlan;
 
-inline constexpr uint32_t kVecWidth = 4;
-using Vec = device::AlignedVector<float, kVecWidth>;
-
-template <int64_t kHeadDim>
-inline constexpr bool kSupportedHeadDim = kHeadDim >= 64 && kHeadDim <= 1024 && kHeadDim % 64 == 0;
-
-// ---------------------------------------------------------------------------
-// Softmax arithmetic on 4 channels at a time.
-// ---------------------------------------------------------------------------
-
-/// \brief Softmax over a set of tokens, per channel, not yet normalised:
-/// `max`, `sum = sum_j exp(s_j - max)` and `acc = sum_j exp(s_j - max) * kv_j`.
-/// The empty set is (-inf, 0, 0), which every merge treats as a no-op.
-struct SoftmaxPartial {
-  Vec max, sum, acc;
-
-  SGL_DEVICE static SoftmaxPartial empty() {
-    SoftmaxPartial p;
-    p.max.fill(-INFINITY);
-    p.sum.fill(0.0f);
-    p.acc.fill(0.0f);
-    return p;
-  }
-};
-
-/// \brief Adds the first `count` of `kBatch` tokens to `part`. Their maximum
-/// is taken first, so the running sums are rescaled once per batch.
-template <uint32_t kBatch>
-SGL_DEVICE void absorb_tokens(SoftmaxPartial& part, const Vec (&kv)[kBatch], const Vec (&score)[kBatch],
-                              uint32_t count) {
-#pragma unroll
-  for (uint32_t c = 0; c < kVecWidth; ++c) {
-    float batch_max = part.max[c];
-#pragma unroll
-    for (uint32_t k = 0; k < kBatch; ++k) {
-      if (k < count) batch_max = fmaxf(batch_max, score[k][c]);
-    }
-    // batch_max is finite (count >= 1), so an empty part scales by exp(-inf) = 0.
-    const float rescale = expf(part.max[c] - batch_max);
-    float sum = part.sum[c] * rescale;
-    float acc = part.acc[c] * rescale;
-#pragma unroll
-    for (uint32_t k = 0; k < kBatch; ++k) {
-      if (k < count) {
-        const float weight = expf(score[k][c] - batch_max);
-        sum += weight;
-        acc = fmaf(weight, kv[k][c], acc);
-      }
-    }
-    part.max[c] = batch_max;
-    part.sum[c] = sum;
-    part.acc[c] = acc;
-  }
-}
-
-/// \brief `into` becomes the softmax over the union of both token sets.
-/// Either side, or both, may be empty.
-SGL_DEVICE void merge_partial(SoftmaxPartial& into, const SoftmaxPartial& other) {
-#pragma unroll
-  for (uint32_t c = 0; c < kVecWidth; ++c) {
-    const float max = fmaxf(into.max[c], other.max[c]);
-    // Two empty sides would give exp(-inf - -inf) = NaN; any finite
-    // reference keeps their weights at exp(-inf) = 0.
-    const float ref = max == -INFINITY ? 0.0f : max;
-    const float scale_into = expf(into.max[c] - ref);
-    const float scale_other = expf(other.max[c] - ref);
-    into.max[c] = max;
-    into.sum[c] = into.sum[c] * scale_into + other.sum[c] * scale_other;
-    into.acc[c] = into.acc[c] * scale_into + other.acc[c] * scale_other;
-  }
-}
-
-/// \brief A stored state `[max | sum | kv]` (kv normalised) for 4 channels.
-struct SoftmaxState {
-  Vec max, sum, kv;
-};
-
-/// \brief The state of `part`'s tokens alone.
-SGL_DEVICE SoftmaxState finish_state(const SoftmaxPartial& part) {
-  SoftmaxState out;
-#pragma unroll
-  for (uint32_t c = 0; c < kVecWidth; ++c) {
-    out.max[c] = part.max[c];
-    out.sum[c] = part.sum[c];
-    out.kv[c] = part.acc[c] / part.sum[c];
-  }
-  return out;
-}
-
-/// \brief The state of the tokens of `prior` followed by those of `part`.
-SGL_DEVICE SoftmaxState finish_state(const SoftmaxPartial& part, const SoftmaxState& prior) {
-  SoftmaxState out;
-#pragma unroll
-  for (uint32_t c = 0; c < kVecWidth; ++c) {
-    const float max = fmaxf(prior.max[c], part.max[c]);
-    const float prior_weight = prior.sum[c] * expf(prior.max[c] - max);
-    const float part_scale = expf(part.max[c] - max);
-    const float sum = prior_weight + part.sum[c] * part_scale;
-    out.max[c] = max;
-    out.sum[c] = sum;
-    out.kv[c] = (prior.kv[c] * prior_weight + part.acc[c] * part_scale) / sum;
-  }
-  return out;
-}
-
 // ---------------------------------------------------------------------------
 // Decode: one token per request.
 // ---------------------------------------------------------------------------
 
+template <typename StateT>
 struct DecodeParams {
-  float* __restrict__ state;               // [num_slots, 3D]
+  StateT* __restrict__ state;              // [num_slots, 3D]
   const float* __restrict__ input;         // [B, 2D]  | kv | score |
   float* __restrict__ output;              // [B, D]
   const float* __restrict__ ape;           // [128, D]
@@ -163,16 +64,18 @@ struct DecodeLayout {
 };
 
 /// \brief What one thread reads for one request's 4 channels.
+template <typename StateT>
 struct DecodeLoads {
   Vec kv, score, bias;
   SoftmaxState old;
-  float* state;  // the request's slot; null if the request is skipped
-  uint32_t pos;  // position of the new token in its chunk
+  StateT* state;  // the request's slot; null if the request is skipped
+  uint32_t pos;   // position of the new token in its chunk
 };
 
-template <int64_t kHeadDim>
-SGL_DEVICE DecodeLoads load_decode_request(const DecodeParams& params, uint32_t request, uint32_t lane) {
-  DecodeLoads in;
+template <int64_t kHeadDim, typename StateT>
+SGL_DEVICE DecodeLoads<StateT> load_decode_request(const DecodeParams<StateT>& params, uint32_t request,
+                                                   uint32_t lane) {
+  DecodeLoads<StateT> in;
   in.state = nullptr;
   if (request >= params.batch_size) return in;
   // The token's row is read before its slot and position are known (and
@@ -188,56 +91,37 @@ SGL_DEVICE DecodeLoads load_decode_request(const DecodeParams& params, uint32_t 
   in.pos = static_cast<uint32_t>(seq_len - 1) % kC128ChunkSize;
   in.state = params.state + static_cast<int64_t>(slot) * (3 * kHeadDim) + lane * kVecWidth;
   in.bias.load(params.ape + in.pos * kHeadDim + lane * kVecWidth);
-  if (in.pos != 0) {  // the first token of a chunk replaces the state unread
-    in.old.max.load(in.state);
-    in.old.sum.load(in.state + kHeadDim);
-    in.old.kv.load(in.state + 2 * kHeadDim);
-  }
+  // The first token of a chunk replaces the state unread.
+  if (in.pos != 0) in.old = load_state(in.state, kHeadDim);
   return in;
 }
 
-template <int64_t kHeadDim>
-SGL_DEVICE void finish_decode_request(const DecodeParams& params, const DecodeLoads& in, uint32_t request,
-                                      uint32_t lane) {
+template <int64_t kHeadDim, typename StateT>
+SGL_DEVICE void finish_decode_request(const DecodeParams<StateT>& params, const DecodeLoads<StateT>& in,
+                                      uint32_t request, uint32_t lane) {
   if (in.state == nullptr) return;
-  SoftmaxState next;
+  Vec s;
 #pragma unroll
-  for (uint32_t c = 0; c < kVecWidth; ++c) {
-    const float s = in.score[c] + in.bias[c];
-    if (in.pos == 0) {
-      next.max[c] = s;
-      next.sum[c] = 1.0f;
-      next.kv[c] = in.kv[c];
-    } else {
-      const float max = fmaxf(in.old.max[c], s);
-      const float old_weight = in.old.sum[c] * expf(in.old.max[c] - max);
-      const float new_weight = expf(s - max);
-      const float sum = old_weight + new_weight;
-      next.max[c] = max;
-      next.sum[c] = sum;
-      next.kv[c] = (in.old.kv[c] * old_weight + in.kv[c] * new_weight) / sum;
-    }
-  }
+  for (uint32_t c = 0; c < kVecWidth; ++c) s[c] = in.score[c] + in.bias[c];
+  const SoftmaxState next = in.pos == 0 ? first_token_state(s, in.kv) : add_token(in.old, s, in.kv);
   if (in.pos == kC128ChunkSize - 1) {
     // The chunk is complete: emit it. The state is left alone because the
     // next chunk's first token replaces it unread.
     next.kv.store(params.output + static_cast<int64_t>(request) * kHeadDim + lane * kVecWidth);
   } else {
-    next.max.store(in.state);
-    next.sum.store(in.state + kHeadDim);
-    next.kv.store(in.state + 2 * kHeadDim);
+    store_state(in.state, kHeadDim, next);
   }
 }
 
-template <int64_t kHeadDim, bool kUsePDL>
+template <int64_t kHeadDim, bool kUsePDL, typename StateT>
 __global__ void __launch_bounds__(DecodeLayout<kHeadDim>::kMaxThreads)
-    c128_decode_kernel(const __grid_constant__ DecodeParams params) {
+    c128_decode_kernel(const __grid_constant__ DecodeParams<StateT> params) {
   using Layout = DecodeLayout<kHeadDim>;
   const uint32_t lane = threadIdx.x % Layout::kLanes;
   const uint32_t request = blockIdx.x * (blockDim.x / Layout::kLanes) + threadIdx.x / Layout::kLanes;
 
   device::PDLWaitPrimary<kUsePDL>();
-  const DecodeLoads loads = load_decode_request<kHeadDim>(params, request, lane);
+  const DecodeLoads<StateT> loads = load_decode_request<kHeadDim>(params, request, lane);
   device::PDLTriggerSecondary<kUsePDL>();
   finish_decode_request<kHeadDim>(params, loads, request, lane);
 }
@@ -246,10 +130,11 @@ __global__ void __launch_bounds__(DecodeLayout<kHeadDim>::kMaxThreads)
 // Prefill: two passes over plans of segments (each inside one chunk).
 // ---------------------------------------------------------------------------
 
+template <typename StateT>
 struct PrefillParams {
-  float* __restrict__ state;                // [num_slots, 3D]
+  StateT* __restrict__ state;               // [num_slots, 3D]
   const float* __restrict__ input;          // [num_tokens, 2D]  | kv | score |
-  float* __restrict__ output;               // [num_tokens, D]
+  float* __restrict__ output;               // [num_tokens, D], or [compress rows, D] if compact_output
   const float* __restrict__ ape;            // [128, D]
   const int32_t* __restrict__ indices;      // [B] slot each request stores to
   const int32_t* __restrict__ load_indices; // [B] slot each request reads from
@@ -264,6 +149,9 @@ struct PrefillParams {
   uint32_t num_tokens;
   uint32_t batch_size;
   int32_t num_slots;
+  /// The compress pass writes plan row i's result to output row i
+  /// (run_prefill_compact) instead of row ragged_id.
+  bool compact_output;
   /// Set on both passes when both run. The compress pass then lets the write
   /// pass launch as soon as its own PDL wait returns, and the write pass
   /// waits only before it stores states: whatever it reads was complete
@@ -274,7 +162,8 @@ struct PrefillParams {
 };
 
 /// \brief Work items of a pass whose rows split into `slices` channel slices.
-__host__ __device__ inline uint64_t pass_items(const PrefillParams& params, uint32_t slices) {
+template <typename StateT>
+__host__ __device__ inline uint64_t pass_items(const PrefillParams<StateT>& params, uint32_t slices) {
   return static_cast<uint64_t>(params.num_split_rows) * slices + (params.num_rows - params.num_split_rows);
 }
 
@@ -334,9 +223,10 @@ struct SegmentWork {
 /// kernel cannot execute safely (out-of-range rows, slots or request ids,
 /// a segment that leaves its chunk, a row of the other pass) yield false and
 /// are skipped: the host cannot see these values without a sync.
-template <bool kWritePass>
-SGL_DEVICE bool decode_segment(const PrefillPlan& row, uint32_t first_slice, uint32_t end_slice,
-                               const PrefillParams& params, SegmentWork& work) {
+template <bool kWritePass, typename StateT>
+SGL_DEVICE bool decode_segment(uint32_t row_index, uint32_t first_slice, uint32_t end_slice,
+                               const PrefillParams<StateT>& params, SegmentWork& work) {
+  const PrefillPlan row = params.plan[row_index];
   if (row.ragged_id == kPlanSentinel) return false;
   const uint32_t last_pos = row.position % kC128ChunkSize;
   const bool closes_chunk = last_pos == kC128ChunkSize - 1;
@@ -358,7 +248,7 @@ SGL_DEVICE bool decode_segment(const PrefillPlan& row, uint32_t first_slice, uin
     work.target = params.indices[row.batch_id];
     if (work.target < 0 || work.target >= params.num_slots) return false;
   } else {
-    work.target = static_cast<int32_t>(row.ragged_id);
+    work.target = static_cast<int32_t>(params.compact_output ? row_index : row.ragged_id);
   }
   return true;
 }
@@ -408,9 +298,9 @@ SGL_DEVICE void merge_token_lanes(SoftmaxPartial& part) {
 
 /// \brief Computes one segment slice with one warp and stores it: the
 /// compressed row (compress pass) or the new state (write pass).
-template <class Layout, int64_t kHeadDim, bool kWritePass, bool kUsePDL>
+template <class Layout, int64_t kHeadDim, bool kWritePass, bool kUsePDL, typename StateT>
 SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const TokenRing<Layout>& ring,
-                                 const PrefillParams& params) {
+                                 const PrefillParams<StateT>& params) {
   namespace async_copy = device::async_copy;
   constexpr uint32_t kBatch = Layout::kBatch;
   constexpr uint32_t kStride = Layout::kTokenLanes;
@@ -422,10 +312,7 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   // Issued first so that its latency hides under the token loads.
   SoftmaxState prior;
   if (work.prior_slot >= 0) {
-    const float* slot = params.state + static_cast<int64_t>(work.prior_slot) * (3 * kHeadDim) + channel;
-    prior.max.load(slot);
-    prior.sum.load(slot + kHeadDim);
-    prior.kv.load(slot + 2 * kHeadDim);
+    prior = load_state(params.state + static_cast<int64_t>(work.prior_slot) * (3 * kHeadDim) + channel, kHeadDim);
   }
 
   // Round r of this lane holds its tokens token_lane + r * kRoundTokens + k * kStride, k < kBatch.
@@ -487,10 +374,7 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   if constexpr (kWritePass) {
     // The compress pass may still be reading this slot (overlap_passes).
     device::PDLWaitPrimary<kUsePDL>();
-    float* slot = params.state + static_cast<int64_t>(work.target) * (3 * kHeadDim) + channel;
-    out.max.store(slot);
-    out.sum.store(slot + kHeadDim);
-    out.kv.store(slot + 2 * kHeadDim);
+    store_state(params.state + static_cast<int64_t>(work.target) * (3 * kHeadDim) + channel, kHeadDim, out);
   } else {
     out.kv.store(params.output + static_cast<int64_t>(work.target) * kHeadDim + channel);
   }
@@ -501,10 +385,10 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
 /// items w, w + W, w + 2W, ... Its lanes decode 32 of its plan rows at once
 /// and the warp runs the live ones, so the sentinel rows of a CUDA-graph
 /// plan cost one parallel load per 32 rows, not a dependent chain.
-template <int64_t kHeadDim, uint32_t kSliceDim, bool kWritePass, bool kUsePDL>
+template <int64_t kHeadDim, uint32_t kSliceDim, bool kWritePass, bool kUsePDL, typename StateT>
 __global__ void __launch_bounds__(PrefillLayout<kHeadDim, kSliceDim>::kThreads,
                                   PrefillLayout<kHeadDim, kSliceDim>::kMinBlocksPerSM)
-    c128_prefill_kernel(const __grid_constant__ PrefillParams params) {
+    c128_prefill_kernel(const __grid_constant__ PrefillParams<StateT> params) {
   using Layout = PrefillLayout<kHeadDim, kSliceDim>;
   constexpr uint32_t kWarp = device::kWarpThreads;
   extern __shared__ __align__(16) unsigned char token_ring_bytes[];
@@ -522,9 +406,9 @@ __global__ void __launch_bounds__(PrefillLayout<kHeadDim, kSliceDim>::kThreads,
     bool live = false;
     if (item < split_items) {
       const auto slice = static_cast<uint32_t>(item % Layout::kSlices);
-      live = decode_segment<kWritePass>(params.plan[item / Layout::kSlices], slice, slice + 1, params, work);
+      live = decode_segment<kWritePass>(static_cast<uint32_t>(item / Layout::kSlices), slice, slice + 1, params, work);
     } else if (item < num_items) {
-      live = decode_segment<kWritePass>(params.plan[params.num_split_rows + (item - split_items)], 0,
+      live = decode_segment<kWritePass>(static_cast<uint32_t>(params.num_split_rows + (item - split_items)), 0,
                                         Layout::kSlices, params, work);
     }
     for (uint32_t pending = __ballot_sync(0xffffffffu, live); pending != 0; pending &= pending - 1) {
@@ -542,30 +426,34 @@ __global__ void __launch_bounds__(PrefillLayout<kHeadDim, kSliceDim>::kThreads,
 }
 
 // ---------------------------------------------------------------------------
-// Kernel exports for one (head_dim, use_pdl) variant.
+// Kernel exports for one (head_dim, use_pdl, state dtype) variant.
 // ---------------------------------------------------------------------------
 
-template <int64_t kHeadDim, bool kUsePDL>
+template <int64_t kHeadDim, bool kUsePDL, typename StateT>
 struct C128Online {
   static_assert(kSupportedHeadDim<kHeadDim>, "head_dim must be a multiple of 64 in [64, 1024]");
-  static constexpr auto kDecodeKernel = c128_decode_kernel<kHeadDim, kUsePDL>;
+  static_assert(kSupportedState<StateT>, "the state is float32 or bfloat16");
+  static constexpr auto kDecodeKernel = c128_decode_kernel<kHeadDim, kUsePDL, StateT>;
+  using PrefillArgs = PrefillParams<StateT>;
+
   /// \brief Checks the tensors every kernel shares; returns the slot count.
   static int32_t verify_common(const tvm::ffi::TensorView& kv_score_buffer, const tvm::ffi::TensorView& kv_score_input,
                                const tvm::ffi::TensorView& kv_compressed_output, const tvm::ffi::TensorView& ape,
-                               host::SymbolicSize& rows, host::SymbolicDevice& device) {
+                               host::SymbolicSize& input_rows, host::SymbolicSize& output_rows,
+                               host::SymbolicDevice& device) {
     using namespace host;
     auto S = SymbolicSize{"num_slots"};
     TensorMatcher({S, 1, 3 * kHeadDim})
-        .with_dtype<float>()
+        .with_dtype<StateT>()
         .with_device(device)
         .with_alignment(16)
         .verify(kv_score_buffer, "kv_score_buffer");
-    TensorMatcher({rows, 2 * kHeadDim})
+    TensorMatcher({input_rows, 2 * kHeadDim})
         .with_dtype<float>()
         .with_device(device)
         .with_alignment(16)
         .verify(kv_score_input, "kv_score_input");
-    TensorMatcher({rows, kHeadDim})
+    TensorMatcher({output_rows, kHeadDim})
         .with_dtype<float>()
         .with_device(device)
         .with_alignment(16)
@@ -588,15 +476,16 @@ struct C128Online {
     auto B = SymbolicSize{"batch_size"};
     auto device = SymbolicDevice{};
     device.set_options<kDLCUDA>();
-    const int32_t num_slots = verify_common(kv_score_buffer, kv_score_input, kv_compressed_output, ape, B, device);
+    const int32_t num_slots =
+        verify_common(kv_score_buffer, kv_score_input, kv_compressed_output, ape, B, B, device);
     TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(indices, "indices");
     TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(seq_lens, "seq_lens");
 
     const int64_t batch_size = B.unwrap();
     if (batch_size == 0) return;
     using Layout = DecodeLayout<kHeadDim>;
-    const DecodeParams params{
-        .state = data_ptr<float>(kv_score_buffer),
+    const DecodeParams<StateT> params{
+        .state = data_ptr<StateT>(kv_score_buffer),
         .input = data_ptr<const float>(kv_score_input),
         .output = data_ptr<float>(kv_compressed_output),
         .ape = data_ptr<const float>(ape),
@@ -615,10 +504,31 @@ struct C128Online {
         .enable_pdl(kUsePDL)(kDecodeKernel, params);
   }
 
+  /// \brief `kv_compressed_output` is `[N, D]`: a chunk's row goes to its closing token's row.
   static void run_prefill(tvm::ffi::TensorView kv_score_buffer, tvm::ffi::TensorView kv_score_input,
                           tvm::ffi::TensorView kv_compressed_output, tvm::ffi::TensorView ape,
                           tvm::ffi::TensorView indices, tvm::ffi::TensorView compress_plan,
                           tvm::ffi::TensorView write_plan, tvm::ffi::Optional<tvm::ffi::TensorView> load_indices) {
+    prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan, write_plan,
+            load_indices, /*compact_output=*/false);
+  }
+
+  /// \brief `kv_compressed_output` is `[compress_plan rows, D]`: compress row i's chunk goes to row i.
+  static void run_prefill_compact(tvm::ffi::TensorView kv_score_buffer, tvm::ffi::TensorView kv_score_input,
+                                  tvm::ffi::TensorView kv_compressed_output, tvm::ffi::TensorView ape,
+                                  tvm::ffi::TensorView indices, tvm::ffi::TensorView compress_plan,
+                                  tvm::ffi::TensorView write_plan,
+                                  tvm::ffi::Optional<tvm::ffi::TensorView> load_indices) {
+    prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan, write_plan,
+            load_indices, /*compact_output=*/true);
+  }
+
+ private:
+  static void prefill(const tvm::ffi::TensorView& kv_score_buffer, const tvm::ffi::TensorView& kv_score_input,
+                      const tvm::ffi::TensorView& kv_compressed_output, const tvm::ffi::TensorView& ape,
+                      const tvm::ffi::TensorView& indices, const tvm::ffi::TensorView& compress_plan,
+                      const tvm::ffi::TensorView& write_plan,
+                      const tvm::ffi::Optional<tvm::ffi::TensorView>& load_indices, bool compact_output) {
     using namespace host;
     using compress::kPrefillPlanDim;
     using compress::PrefillPlanTensorDtype;
@@ -628,20 +538,23 @@ struct C128Online {
     auto num_write = SymbolicSize{"num_write_rows"};
     auto device = SymbolicDevice{};
     device.set_options<kDLCUDA>();
-    const int32_t num_slots = verify_common(kv_score_buffer, kv_score_input, kv_compressed_output, ape, N, device);
+    const auto verify_plan = [&](const tvm::ffi::TensorView& plan, SymbolicSize& rows, const char* name) {
+      TensorMatcher({rows, kPrefillPlanDim})
+          .with_dtype<PrefillPlanTensorDtype>()
+          .with_device(device)
+          .with_alignment(alignof(PrefillPlan))
+          .verify(plan, name);
+    };
+    // A compact output must have the compress plan's rows: the plan binds the
+    // count first, so a mismatch names the output.
+    if (compact_output) verify_plan(compress_plan, num_compress, "compress_plan");
+    const int32_t num_slots = verify_common(kv_score_buffer, kv_score_input, kv_compressed_output, ape, N,
+                                            compact_output ? num_compress : N, device);
     TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(indices, "indices");
     const auto load_from = load_indices.value_or(indices);
     TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(load_from, "load_indices");
-    TensorMatcher({num_compress, kPrefillPlanDim})
-        .with_dtype<PrefillPlanTensorDtype>()
-        .with_device(device)
-        .with_alignment(alignof(PrefillPlan))
-        .verify(compress_plan, "compress_plan");
-    TensorMatcher({num_write, kPrefillPlanDim})
-        .with_dtype<PrefillPlanTensorDtype>()
-        .with_device(device)
-        .with_alignment(alignof(PrefillPlan))
-        .verify(write_plan, "write_plan");
+    verify_plan(compress_plan, num_compress, "compress_plan");
+    verify_plan(write_plan, num_write, "write_plan");
     CheckAs("ValueError", N.unwrap() < kPlanSentinel, "argument 'kv_score_input': expected fewer than 2^32-1 rows, got ",
             N.unwrap());
     CheckAs("ValueError", num_compress.unwrap() < kPlanSentinel,
@@ -649,8 +562,8 @@ struct C128Online {
     CheckAs("ValueError", num_write.unwrap() < kPlanSentinel,
             "argument 'write_plan': expected fewer than 2^32-1 rows, got ", num_write.unwrap());
 
-    PrefillParams params{
-        .state = data_ptr<float>(kv_score_buffer),
+    PrefillArgs params{
+        .state = data_ptr<StateT>(kv_score_buffer),
         .input = data_ptr<const float>(kv_score_input),
         .output = data_ptr<float>(kv_compressed_output),
         .ape = data_ptr<const float>(ape),
@@ -662,6 +575,7 @@ struct C128Online {
         .num_tokens = static_cast<uint32_t>(N.unwrap()),
         .batch_size = static_cast<uint32_t>(B.unwrap()),
         .num_slots = num_slots,
+        .compact_output = compact_output,
         .overlap_passes = num_compress.unwrap() > 0 && num_write.unwrap() > 0,
     };
     const DLDevice dl_device = device.unwrap();
@@ -675,14 +589,13 @@ struct C128Online {
     launch_pass</*kWritePass=*/true>(params, dl_device);
   }
 
- private:
   /// \brief Launches one pass over `params.num_rows` plan rows. Wide slices
   /// read whole 256-byte runs per token, but give a pass of few rows few
   /// items, each a long chain of dependent loads. Narrow slices split each
   /// segment over 4x the warps and 4x the token lanes. The wide form runs
   /// whenever its items could fill at least half the resident warps.
   template <bool kWritePass>
-  static void launch_pass(PrefillParams params, DLDevice device) {
+  static void launch_pass(PrefillArgs params, DLDevice device) {
     if (params.num_rows == 0) return;
     // A request has at most one write row, and a compress row per chunk its
     // tokens close, so however far a CUDA-graph plan is padded a planned
@@ -690,11 +603,11 @@ struct C128Online {
     const int64_t max_live_rows = kWritePass ? int64_t{params.batch_size}
                                              : int64_t{params.num_tokens} / kC128ChunkSize + params.batch_size;
     params.num_split_rows = static_cast<uint32_t>(std::min<int64_t>(params.num_rows, max_live_rows));
-    constexpr auto kWide = c128_prefill_kernel<kHeadDim, kWideSliceDim, kWritePass, kUsePDL>;
+    constexpr auto kWide = c128_prefill_kernel<kHeadDim, kWideSliceDim, kWritePass, kUsePDL, StateT>;
     using Wide = PrefillLayout<kHeadDim, kWideSliceDim>;
     const int64_t wide_blocks = resident_blocks<kWide, Wide>(device);
     const int64_t wide_warps = wide_blocks * Wide::kWarps;
-    constexpr auto kNarrow = c128_prefill_kernel<kHeadDim, kNarrowSliceDim, kWritePass, kUsePDL>;
+    constexpr auto kNarrow = c128_prefill_kernel<kHeadDim, kNarrowSliceDim, kWritePass, kUsePDL, StateT>;
     using Narrow = PrefillLayout<kHeadDim, kNarrowSliceDim>;
     const int64_t narrow_blocks = resident_blocks<kNarrow, Narrow>(device);
     const int64_t narrow_warps = narrow_blocks * Narrow::kWarps;
@@ -709,7 +622,7 @@ struct C128Online {
   }
 
   template <auto kKernel, class Layout>
-  static void launch_grid(const PrefillParams& params, DLDevice device, int64_t max_blocks) {
+  static void launch_grid(const PrefillArgs& params, DLDevice device, int64_t max_blocks) {
     // One warp per item up to a full GPU; beyond that warps loop (a grid of
     // mostly-idle blocks would only cost launch and scheduling time).
     const auto num_items = static_cast<int64_t>(pass_items(params, Layout::kSlices));

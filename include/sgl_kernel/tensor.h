@@ -102,6 +102,13 @@ template <>
 struct DTypeOf<uint32_t> {
   static constexpr DLDataType value{kDLUInt, 32, 1};
 };
+}  // namespace host
+struct __nv_bfloat16;  // cuda_bf16.h's type; only its DLPack dtype is needed here
+namespace host {
+template <>
+struct DTypeOf<__nv_bfloat16> {
+  static constexpr DLDataType value{kDLBfloat, 16, 1};
+};
 
 inline bool same_dtype(DLDataType a, DLDataType b) {
   return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes;

@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     prebuild = commands.add_parser("prebuild", help="compile the planner and a grid of kernel variants into the cache (no GPU needed)")
     prebuild.add_argument("--head-dim", type=int, nargs="+", default=[128, 256, 512], help="default: 128 256 512")
     prebuild.add_argument("--pdl", type=int, nargs="+", choices=[0, 1], default=[0, 1], help="default: 0 1")
+    prebuild.add_argument("--state-dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
+                          help="default: float32 bfloat16")
     prebuild.add_argument("--arch", nargs="+", default=None, help='CUDA archs, e.g. 9.0 10.0 (default: as the loader)')
     prebuild.add_argument("--jobs", type=int, default=None, help="parallel builds (default: CPU count)")
     prebuild.add_argument("--cache-dir", default=None,
@@ -33,11 +35,25 @@ def _parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="list what the cache holds")
     status.add_argument("--cache-dir", default=None)
+    status.add_argument("--state-dtype", choices=["float32", "bfloat16"], default=None,
+                        help="only kernel variants of this state dtype")
 
     clear = commands.add_parser("clear", help="delete cached builds")
     clear.add_argument("--cache-dir", default=None)
     clear.add_argument("--name", default=None, help="only entries whose variant name starts with this")
+    clear.add_argument("--state-dtype", choices=["float32", "bfloat16"], default=None,
+                       help="only kernel variants of this state dtype")
     return parser
+
+
+def _state_dtype_filter(state_dtype: str | None):
+    """Kernel variant names end in their state dtype's tag (``c128_online_hd512_pdl1_bf16``)."""
+    if state_dtype is None:
+        return None
+    from .c128_online import STATE_DTYPES
+
+    suffix = "_" + STATE_DTYPES[state_dtype][1]
+    return lambda name: name.endswith(suffix)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,15 +72,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         grid = [(f"planner pdl={pdl}", planner_spec(bool(pdl))) for pdl in args.pdl]
         grid += [
-            (f"head_dim={head_dim} pdl={pdl}", spec(head_dim, bool(pdl)))
+            (f"head_dim={head_dim} pdl={pdl} state={state}", spec(head_dim, bool(pdl), state))
             for head_dim in args.head_dim
             for pdl in args.pdl
+            for state in args.state_dtype
         ]
         arch_list = tuple(args.arch) if args.arch else None
         return cli.prebuild(grid, arch_list=arch_list, jobs=args.jobs, cache_dir=args.cache_dir)
     if args.command == "status":
-        return cli.status(cache_dir=args.cache_dir)
-    return cli.clear(cache_dir=args.cache_dir, name_prefix=args.name)
+        return cli.status(cache_dir=args.cache_dir, match=_state_dtype_filter(args.state_dtype))
+    return cli.clear(cache_dir=args.cache_dir, name_prefix=args.name, match=_state_dtype_filter(args.state_dtype))
 
 
 if __name__ == "__main__":

@@ -16,32 +16,36 @@ import torch
 from . import _debug
 from .c128_online import load_module, load_planner
 from .jit import JitDisabledError
+from .plan_rows import CHUNK_SIZE
 
-__all__ = ["decode_into", "planner", "kernels", "new_output", "prefill_into", "relocate_states"]
+__all__ = ["commit_into", "decode_into", "planner", "kernels", "new_output", "prefill_into", "relocate_states",
+           "verify_into"]
 
 logger = logging.getLogger("flash_compress")
 
-#: Loaded variants by ``(head_dim, use_pdl)`` as the caller passed them (``None`` kept as is).
-_modules: dict[tuple[int, Optional[bool]], Any] = {}
+#: Loaded variants by ``(head_dim, use_pdl, state_dtype)`` as the caller passed them (``None`` kept as is).
+_modules: dict[tuple[int, Optional[bool], str], Any] = {}
+#: A state pool's torch dtype -> its variants' ``state_dtype`` (docs/SPEC.md section 8).
+STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 #: The loaded planner variant (``use_pdl=None``), once loaded.
 _planner: Any = None
 
 
-def kernels(head_dim: int, use_pdl: Optional[bool]) -> Any:
-    """The compiled variant for ``head_dim`` (``ape.shape[-1]``): a dict lookup once loaded."""
-    module = _modules.get((head_dim, use_pdl))
+def kernels(head_dim: int, use_pdl: Optional[bool], state_dtype: str = "float32") -> Any:
+    """The compiled variant for ``head_dim`` (``ape.shape[-1]``) and the pool's dtype: a dict lookup once loaded."""
+    module = _modules.get((head_dim, use_pdl, state_dtype))
     if module is None:
-        module = _load(head_dim, use_pdl)
+        module = _load(head_dim, use_pdl, state_dtype)
     return module
 
 
-def _load(head_dim: int, use_pdl: Optional[bool]) -> Any:
+def _load(head_dim: int, use_pdl: Optional[bool], state_dtype: str) -> Any:
     if not (64 <= head_dim <= 1024 and head_dim % 64 == 0):
         raise ValueError(
-            f"argument 'ape': expected shape [128, D] with D a multiple of 64 in [64, 1024], got D = {head_dim}"
+            f"argument 'ape': expected shape [{CHUNK_SIZE}, D] with D a multiple of 64 in [64, 1024], got D = {head_dim}"
         )
-    module = load_module(head_dim, use_pdl)
-    _modules[(head_dim, use_pdl)] = module
+    module = load_module(head_dim, use_pdl, state_dtype)
+    _modules[(head_dim, use_pdl, state_dtype)] = module
     return module
 
 
@@ -76,10 +80,11 @@ def _not_tensor(**arguments: Any) -> Exception:
     return TypeError("expected torch.Tensor arguments")
 
 
-def new_output(kv_score_input: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
-    """An uninitialised ``[rows of kv_score_input, D]`` output like the input (``D = ape.shape[-1]``)."""
+def new_output(kv_score_input: torch.Tensor, ape: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
+    """An uninitialised ``[rows, D]`` output like the input (``D = ape.shape[-1]``, ``rows`` by default
+    the input's)."""
     try:
-        return kv_score_input.new_empty((kv_score_input.shape[0], ape.shape[-1]))
+        return kv_score_input.new_empty((kv_score_input.shape[0] if rows is None else rows, ape.shape[-1]))
     except (AttributeError, IndexError):
         raise _not_tensor(kv_score_input=kv_score_input, ape=ape) from None
 
@@ -93,11 +98,23 @@ def relocate_states(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_i
 def _compiled(kv_score_buffer: torch.Tensor, ape: torch.Tensor, use_pdl: Optional[bool]) -> Any:
     """The compiled variant for a call on CUDA tensors, ``None`` for CPU tensors (the reference runs them)."""
     try:
-        on_cuda = kv_score_buffer.is_cuda
         head_dim = ape.shape[-1]
     except (AttributeError, IndexError):
         raise _not_tensor(kv_score_buffer=kv_score_buffer, ape=ape) from None
-    return kernels(head_dim, use_pdl) if on_cuda else None
+    return _variant(kv_score_buffer, head_dim, use_pdl)
+
+
+def _variant(kv_score_buffer: torch.Tensor, head_dim: int, use_pdl: Optional[bool]) -> Any:
+    """The compiled variant for ``head_dim`` and the pool's dtype, ``None`` for a CPU pool."""
+    try:
+        on_cuda = kv_score_buffer.is_cuda
+        state_dtype = STATE_DTYPES.get(kv_score_buffer.dtype)
+    except AttributeError:
+        raise _not_tensor(kv_score_buffer=kv_score_buffer) from None
+    if state_dtype is None:
+        raise TypeError(f"argument 'kv_score_buffer': expected dtype float32 or bfloat16 (the state dtype), "
+                        f"got {str(kv_score_buffer.dtype).removeprefix('torch.')}")
+    return kernels(head_dim, use_pdl, state_dtype) if on_cuda else None
 
 
 def decode_into(
@@ -131,11 +148,53 @@ def prefill_into(
     write_plan: torch.Tensor,
     load_indices: Optional[torch.Tensor] = None,
     use_pdl: Optional[bool] = None,
+    compact: bool = False,
 ) -> None:
-    """A planned prefill into ``out``, by the compiled kernels (CUDA) or the reference (CPU)."""
+    """A planned prefill into ``out`` (``[N, D]``, or ``[compress_plan rows, D]`` when ``compact``), by the
+    compiled kernels (CUDA) or the reference (CPU)."""
     module = _compiled(kv_score_buffer, ape, use_pdl)
     if _debug.enabled():
         _debug.check_prefill(kv_score_buffer, kv_score_input, indices, compress_plan, write_plan, load_indices)
     if module is None:
         from . import reference as module
-    module.run_prefill(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan, load_indices)
+    run = module.run_prefill_compact if compact else module.run_prefill
+    run(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan, load_indices)
+
+
+def verify_into(
+    kv_score_buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    out: torch.Tensor,
+    ape: torch.Tensor,
+    indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefix_states: torch.Tensor,
+    use_pdl: Optional[bool] = None,
+) -> None:
+    """A verify step into ``out`` and ``prefix_states``, by the compiled kernel (CUDA) or the reference (CPU)."""
+    module = _compiled(kv_score_buffer, ape, use_pdl)
+    if module is None:
+        from . import reference as module
+    module.run_verify(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, prefix_states)
+
+
+def commit_into(
+    kv_score_buffer: torch.Tensor,
+    prefix_states: torch.Tensor,
+    indices: torch.Tensor,
+    accept_lens: torch.Tensor,
+    use_pdl: Optional[bool] = None,
+) -> None:
+    """Commits the accepted prefixes' states into their slots (compiled kernel for CUDA, reference for CPU)."""
+    try:
+        width = kv_score_buffer.shape[-1]
+    except (AttributeError, IndexError):
+        raise _not_tensor(kv_score_buffer=kv_score_buffer) from None
+    head_dim = width // 3
+    if width % 3 or not (64 <= head_dim <= 1024 and head_dim % 64 == 0):
+        raise ValueError(f"argument 'kv_score_buffer': expected shape [slots, 1, 3*D] with D a multiple of 64 in "
+                         f"[64, 1024], got {list(kv_score_buffer.shape)}")
+    module = _variant(kv_score_buffer, head_dim, use_pdl)
+    if module is None:
+        from . import reference as module
+    module.run_commit(kv_score_buffer, prefix_states, indices, accept_lens)

@@ -31,7 +31,7 @@ from . import _debug, _dispatch
 from . import ops as _ops  # registers torch.ops.flash_compress.{decode,prefill}
 from .plan_rows import ROW_BYTES
 
-__all__ = ["PrefillPlan", "decode", "plan_prefill", "prefill"]
+__all__ = ["PrefillPlan", "commit", "decode", "plan_prefill", "prefill", "verify"]
 
 _LENGTH_DTYPES = (torch.int32, torch.int64)
 
@@ -169,7 +169,8 @@ def decode(
     """One decode step: folds one new token per request into its slot's state.
 
     Args:
-        kv_score_buffer: ``[slots, 1, 3*D]`` float32 state pool, updated in place.
+        kv_score_buffer: ``[slots, 1, 3*D]`` float32 or bfloat16 state pool, updated in place;
+            its dtype picks the variant.
         kv_score_input: ``[B, 2*D]`` float32, request ``b``'s token as ``| kv | score |``.
         ape: ``[128, D]`` float32 score bias by position in the chunk; ``D`` picks the variant.
         indices: ``[B]`` int32, the slot request ``b`` writes (and, by default, reads).
@@ -203,36 +204,116 @@ def prefill(
     out: Optional[torch.Tensor] = None,
     load_indices: Optional[torch.Tensor] = None,
     use_pdl: Optional[bool] = None,
+    compact: bool = False,
 ) -> torch.Tensor:
     """One chunked-prefill step: folds every request's new tokens into its slot's state.
 
     Args:
-        kv_score_buffer: ``[slots, 1, 3*D]`` float32 state pool, updated in place.
+        kv_score_buffer: ``[slots, 1, 3*D]`` float32 or bfloat16 state pool, updated in place;
+            its dtype picks the variant.
         kv_score_input: ``[N, 2*D]`` float32 ragged new tokens, request after request.
         ape: ``[128, D]`` float32; ``D`` picks the variant.
         indices: ``[B]`` int32, the slot request ``b``'s state is written to.
         plan: from :func:`plan_prefill` for this step's lengths.
-        out: ``[N, D]`` float32 to write into; allocated (uninitialised) when None.
+        out: ``[N, D]`` float32 (``[plan.compress_plan rows, D]`` when ``compact``) to write into;
+            allocated (uninitialised) when None.
         load_indices: ``[B]`` int32 slots to read the prior states from (default ``indices``),
             for a request that moves slots; read-before-write is race-free.
         use_pdl: the variant's programmatic dependent launch (None: on for sm_90+).
+        compact: one output row per compress-plan row instead of one per token
+            (``docs/SPEC.md`` section 10): an N-token step allocates about N/128 rows.
 
     Returns:
-        ``out``. Row ``i`` is written only when token ``i`` closes a chunk (its
-        position is ``127 mod 128``); the plan's compress rows name them.
+        ``out``. Without ``compact``, row ``i`` is written only when token ``i`` closes a
+        chunk (its position is ``127 mod 128``); the plan's compress rows name them.
+        With ``compact``, row ``i`` holds the chunk of compress-plan row ``i`` (its
+        ``ragged_id`` says which token closed it); padding rows leave theirs untouched.
     """
     try:
         compress_plan, write_plan = plan.compress_plan, plan.write_plan
     except AttributeError:
         raise TypeError(f"argument 'plan': expected a PrefillPlan, got {type(plan).__name__}") from None
     if out is None:
-        out = _dispatch.new_output(kv_score_input, ape)
+        out = _dispatch.new_output(kv_score_input, ape, compress_plan.shape[0] if compact else None)
     if torch.compiler.is_compiling():
         torch.ops.flash_compress.prefill(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan,
-                                         load_indices, use_pdl)
+                                         load_indices, use_pdl, compact)
         return out
     if plan.counts is not None and _debug.enabled():
         _debug.check_planner_flag(plan.counts)
     _dispatch.prefill_into(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan,
-                           load_indices, use_pdl)
+                           load_indices, use_pdl, compact)
     return out
+
+
+def verify(
+    kv_score_buffer: torch.Tensor,
+    kv_score_input: torch.Tensor,
+    ape: torch.Tensor,
+    indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+    prefix_states: Optional[torch.Tensor] = None,
+    use_pdl: Optional[bool] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A speculative verify step: T tokens per request, the pool left alone (``docs/SPEC.md`` section 9).
+
+    Args:
+        kv_score_buffer: ``[slots, 1, 3*D]`` float32 or bfloat16 state pool, only read.
+        kv_score_input: ``[B*T, 2*D]`` float32; request ``b``'s token ``j`` is row ``b*T + j``
+            (the last accepted token, then ``T - 1`` drafts), ``1 <= T <= 16``.
+        ape: ``[128, D]`` float32; ``D`` picks the variant.
+        indices: ``[B]`` int32, the slot holding request ``b``'s committed state.
+        seq_lens: ``[B]`` int32, lengths counting all ``T`` tokens.
+        out: ``[B*T, D]`` float32 for the compressed rows; allocated (uninitialised) when None.
+        prefix_states: ``[B*T, 3*D]`` in the pool's dtype for the state after each token;
+            allocated when None.
+        use_pdl: the variant's programmatic dependent launch (None: on for sm_90+).
+
+    Returns:
+        ``(out, prefix_states)``. Row ``b*T + j`` of ``out`` is written only when token ``j``
+        closes a chunk; pass ``prefix_states`` and the accepted lengths to :func:`commit`.
+    """
+    if out is None:
+        out = _dispatch.new_output(kv_score_input, ape)
+    if prefix_states is None:
+        try:
+            prefix_states = kv_score_buffer.new_empty((kv_score_input.shape[0], kv_score_buffer.shape[-1]))
+        except (AttributeError, IndexError):
+            raise TypeError("arguments 'kv_score_buffer' and 'kv_score_input': expected tensors") from None
+    if torch.compiler.is_compiling():
+        torch.ops.flash_compress.verify(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, prefix_states,
+                                        use_pdl)
+    else:
+        _dispatch.verify_into(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, prefix_states, use_pdl)
+    return out, prefix_states
+
+
+def commit(
+    kv_score_buffer: torch.Tensor,
+    prefix_states: torch.Tensor,
+    indices: torch.Tensor,
+    accept_lens: torch.Tensor,
+    *,
+    use_pdl: Optional[bool] = None,
+) -> torch.Tensor:
+    """Keeps the state after each request's accepted prefix (``docs/SPEC.md`` section 9).
+
+    Args:
+        kv_score_buffer: ``[slots, 1, 3*D]`` state pool, updated in place.
+        prefix_states: ``[B*T, 3*D]`` from :func:`verify`, in the pool's dtype.
+        indices: ``[B]`` int32, the slot each request's state goes to.
+        accept_lens: ``[B]`` int32 on the device, accepted tokens per request: for
+            ``1 <= a <= T`` slot ``indices[b]`` gets ``prefix_states[b*T + a - 1]``; other
+            values leave the slot alone. No host synchronisation.
+        use_pdl: the variant's programmatic dependent launch (None: on for sm_90+).
+
+    Returns:
+        ``kv_score_buffer``.
+    """
+    if torch.compiler.is_compiling():
+        torch.ops.flash_compress.commit(kv_score_buffer, prefix_states, indices, accept_lens, use_pdl)
+    else:
+        _dispatch.commit_into(kv_score_buffer, prefix_states, indices, accept_lens, use_pdl)
+    return kv_score_buffer

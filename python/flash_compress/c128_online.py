@@ -1,9 +1,9 @@
 """The online c128 compressor's build specs: sources, template values, exports.
 
-Two variant families: the kernels, per ``(head_dim, use_pdl)``, and the prefill
-planner, per ``use_pdl`` alone (it does not depend on head_dim). The kernel variants
-carry the planner's exports too, so that one module has every function of
-``docs/SPEC.md`` section 3.
+Two variant families: the kernels, per ``(head_dim, use_pdl, state_dtype)``, and
+the prefill planner, per ``use_pdl`` alone (it depends on neither head_dim nor the
+state dtype). The kernel variants carry the planner's exports too, so that one
+module has every function of ``docs/SPEC.md`` sections 3, 9 and 10.
 """
 
 from __future__ import annotations
@@ -13,10 +13,14 @@ from typing import Any
 from . import jit
 from ._paths import source_roots
 
-__all__ = ["HEAD_DIMS_TESTED", "load_module", "load_planner", "planner_spec", "resolve_use_pdl", "spec"]
+__all__ = ["HEAD_DIMS_TESTED", "STATE_DTYPES", "load_module", "load_planner", "planner_spec", "resolve_use_pdl",
+           "spec"]
 
 #: head_dim values the test suite runs; any multiple of 64 in [64, 1024] builds.
 HEAD_DIMS_TESTED = (128, 256, 512)
+
+#: State dtypes (docs/SPEC.md section 8) -> the C++ element type and the variant-name tag.
+STATE_DTYPES = {"float32": ("float", "f32"), "bfloat16": ("device::bf16_t", "bf16")}
 
 _CUDA_FLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr", "-lineinfo")
 
@@ -26,6 +30,11 @@ def _check_head_dim(head_dim: int) -> None:
         raise TypeError(f"head_dim: expected an int, got {type(head_dim).__name__}")
     if not (64 <= head_dim <= 1024 and head_dim % 64 == 0):
         raise ValueError(f"head_dim: expected a multiple of 64 in [64, 1024], got {head_dim}")
+
+
+def _check_state_dtype(state_dtype: str) -> None:
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype: expected one of {', '.join(map(repr, STATE_DTYPES))}, got {state_dtype!r}")
 
 
 def resolve_use_pdl(use_pdl: bool | None, arch_list: tuple[str, ...]) -> bool:
@@ -44,14 +53,18 @@ def _planner_exports(use_pdl: bool) -> dict[str, str]:
     return {"plan_online_prefill": f"{planner}::plan", "plan_online_prefill_counted": f"{planner}::plan_counted"}
 
 
-def spec(head_dim: int, use_pdl: bool) -> jit.JitSpec:
-    """The build of one ``(head_dim, use_pdl)`` kernel variant."""
+def spec(head_dim: int, use_pdl: bool, state_dtype: str = "float32") -> jit.JitSpec:
+    """The build of one ``(head_dim, use_pdl, state_dtype)`` kernel variant."""
     _check_head_dim(head_dim)
-    kernels = f"flash_compress::c128::C128Online<{head_dim}, {str(use_pdl).lower()}>"
+    _check_state_dtype(state_dtype)
+    cxx_state, tag = STATE_DTYPES[state_dtype]
+    args = f"{head_dim}, {str(use_pdl).lower()}, {cxx_state}"
+    kernels, speculative = f"flash_compress::c128::C128Online<{args}>", f"flash_compress::c128::C128Speculative<{args}>"
     return jit.JitSpec(
-        name=f"c128_online_hd{head_dim}_pdl{int(use_pdl)}",
-        headers=("deepseek_v4/c128_online.cuh",),
-        exports={"run_decode": f"{kernels}::run_decode", "run_prefill": f"{kernels}::run_prefill",
+        name=f"c128_online_hd{head_dim}_pdl{int(use_pdl)}_{tag}",
+        headers=("deepseek_v4/c128_online.cuh", "deepseek_v4/c128_verify.cuh"),
+        exports={**{name: f"{kernels}::{name}" for name in ("run_decode", "run_prefill", "run_prefill_compact")},
+                 **{name: f"{speculative}::{name}" for name in ("run_verify", "run_commit")},
                  **_planner_exports(use_pdl)},
         include_dirs=source_roots(),
         extra_cuda_cflags=_CUDA_FLAGS,
@@ -69,18 +82,22 @@ def planner_spec(use_pdl: bool) -> jit.JitSpec:
     )
 
 
-def load_module(head_dim: int = 512, use_pdl: bool | None = None) -> Any:
+def load_module(head_dim: int = 512, use_pdl: bool | None = None, state_dtype: str = "float32") -> Any:
     """Compile (on first use) and load the online c128 compressor for ``head_dim``.
 
     Returns the tvm-ffi module with ``run_decode``, ``run_prefill``,
-    ``plan_online_prefill`` and ``plan_online_prefill_counted``, which take DLPack
-    tensors as ``docs/SPEC.md`` section 3 describes. ``use_pdl=None`` enables
+    ``run_prefill_compact``, ``run_verify``, ``run_commit``, ``plan_online_prefill`` and
+    ``plan_online_prefill_counted``, which take DLPack tensors as ``docs/SPEC.md``
+    sections 3, 9 and 10 describe; its
+    kernels take a ``kv_score_buffer`` of ``state_dtype`` (``"float32"`` or
+    ``"bfloat16"``, section 8) and refuse any other. ``use_pdl=None`` enables
     programmatic dependent launch when every target arch is sm_90 or newer. Builds
     are cached per variant; see :mod:`flash_compress.jit` for the cache and its settings.
     """
     _check_head_dim(head_dim)
+    _check_state_dtype(state_dtype)
     arch_list = jit.cuda_arch_list()
-    return jit.load(spec(head_dim, resolve_use_pdl(use_pdl, arch_list)), arch_list=arch_list)
+    return jit.load(spec(head_dim, resolve_use_pdl(use_pdl, arch_list), state_dtype), arch_list=arch_list)
 
 
 def load_planner(use_pdl: bool | None = None) -> Any:

@@ -3,11 +3,16 @@
 - ``torch.ops.flash_compress.decode(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens,
   load_indices=None, use_pdl=None) -> ()``
 - ``torch.ops.flash_compress.prefill(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan,
-  write_plan, load_indices=None, use_pdl=None) -> ()``
+  write_plan, load_indices=None, use_pdl=None, compact=False) -> ()``
 
-Both mutate ``kv_score_buffer`` and ``out`` in place and return nothing (an op
-may not return an alias of its input), so their fake kernels have nothing to
-describe. Their bodies are :mod:`flash_compress._dispatch`'s, whose signatures
+- ``torch.ops.flash_compress.verify(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens,
+  prefix_states, use_pdl=None) -> ()``
+- ``torch.ops.flash_compress.commit(kv_score_buffer, prefix_states, indices, accept_lens, use_pdl=None) -> ()``
+
+Each mutates its outputs in place (decode and prefill: ``kv_score_buffer`` and
+``out``; verify: ``out`` and ``prefix_states``, never the pool; commit:
+``kv_score_buffer``) and returns nothing (an op may not return an alias of its
+input), so their fake kernels have nothing to describe. Their bodies are :mod:`flash_compress._dispatch`'s, whose signatures
 are the schemas. :func:`flash_compress.decode` / :func:`flash_compress.prefill`
 call the ops when traced by ``torch.compile`` and the kernels directly in eager
 mode, where a custom op's dispatch would cost several microseconds per call.
@@ -19,18 +24,21 @@ import torch
 
 from . import _dispatch
 
-__all__ = ["decode", "prefill"]
+__all__ = ["commit", "decode", "prefill", "verify"]
 
 _MUTATED = ("kv_score_buffer", "out")
 
 decode = torch.library.custom_op("flash_compress::decode", _dispatch.decode_into, mutates_args=_MUTATED)
 prefill = torch.library.custom_op("flash_compress::prefill", _dispatch.prefill_into, mutates_args=_MUTATED)
+verify = torch.library.custom_op("flash_compress::verify", _dispatch.verify_into,
+                                 mutates_args=("out", "prefix_states"))
+commit = torch.library.custom_op("flash_compress::commit", _dispatch.commit_into, mutates_args=("kv_score_buffer",))
 
 
 def _in_place_only(*args: object, **kwargs: object) -> None:
-    """The fake kernel of both ops: they create no tensor, so there is no output to describe."""
+    """The fake kernel of every op: they create no tensor, so there is no output to describe."""
     return None
 
 
-decode.register_fake(_in_place_only)
-prefill.register_fake(_in_place_only)
+for _op in (decode, prefill, verify, commit):
+    _op.register_fake(_in_place_only)

@@ -1,11 +1,13 @@
-"""Pure-PyTorch reference of the online c128 compressor (``docs/SPEC.md`` sections 1-4).
+"""Pure-PyTorch reference of the online c128 compressor (``docs/SPEC.md`` sections 1-4, 8 and 10).
 
-The three functions here have the same names, signatures and in-place
-semantics as the compiled tvm-ffi module (``flash_compress.load_module``):
+The functions here have the same names, signatures and in-place semantics as
+the compiled tvm-ffi module (``flash_compress.load_module``):
 
 - :func:`run_decode` adds one token per request to its running state;
 - :func:`run_prefill` runs a planned chunked prefill (compress pass, then
   write pass);
+- :func:`run_prefill_compact` is the same prefill with one output row per
+  compress-plan row instead of one per token (SPEC section 10);
 - :func:`plan_online_prefill` cuts a prefill into per-chunk segments and
   writes the 16-byte plan rows (their format and rules are
   :mod:`flash_compress.plan_rows`).
@@ -22,6 +24,18 @@ Softmax state layout, per slot and channel ``d`` (``D = head_dim``)::
 
 where ``kv`` is the already normalised weighted mean of the chunk's tokens.
 
+The state pool is float32 or bfloat16 (SPEC section 8); every other float
+tensor is float32. A bfloat16 state is read exactly (widened to float64) and
+rounded once per store, as the kernels do: within one call a request's tokens
+build on the unrounded state, and only what is written to the pool is
+rounded. With ``exact_bf16_stores=True`` (the default, the kernels' scheme)
+the stored ``max`` is the bfloat16 rounding of the true max and ``sum`` is
+re-expressed against that rounded max before it is rounded itself, so
+``max + log(sum)`` loses nothing to the rounding of ``max``.
+``exact_bf16_stores=False`` is the naive scheme, a plain cast of the three
+fields, kept only to compare against (``scripts/bf16_accuracy.py``). Float32
+states ignore the switch.
+
 Checks that need the values of device tensors (indices in range, seq_len >= 1,
 plan rows that fit the input) are done here too, by reading the values back:
 the reference raises :class:`ValueError` where the kernels would skip.
@@ -35,17 +49,32 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .plan_rows import CHUNK_SIZE, MAX_LENGTH, PADDING_BYTE, ROW_BYTES, check_rows, encode_rows, is_plan_tensor
+from .plan_rows import (
+    CHUNK_SIZE,
+    MAX_LENGTH,
+    PADDING_BYTE,
+    PADDING_ROW,
+    ROW_BYTES,
+    check_rows,
+    decode_rows,
+    encode_rows,
+    is_plan_tensor,
+)
 
 __all__ = [
+    "STATE_DTYPES",
     "plan_segments",
     "plan_online_prefill",
     "run_decode",
     "run_prefill",
+    "run_prefill_compact",
+    "state_to_store",
 ]
 
 _LENGTH_DTYPES = (torch.int64, torch.int32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+#: The dtypes a state pool (``kv_score_buffer``) may have (SPEC section 8).
+STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------
@@ -97,6 +126,13 @@ def _check_plan_tensor(plan, name: str) -> None:
     raise ValueError(f"argument '{name}': expected shape [M, {ROW_BYTES}], got {list(plan.shape)}")
 
 
+def _check_flag(value, name: str) -> bool:
+    """A bool argument (numpy bools too), or TypeError naming it."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"argument '{name}': expected a bool, got {type(value).__name__}")
+    return bool(value)
+
+
 def _host_lengths(lengths, name: str) -> list[int]:
     if not isinstance(lengths, torch.Tensor):
         raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(lengths).__name__}")
@@ -146,8 +182,7 @@ def plan_online_prefill(
             f"argument 'write_plan': expected {compress_plan.shape[0]} rows like compress_plan, "
             f"got {write_plan.shape[0]}"
         )
-    if not isinstance(use_cuda_graph, (bool, np.bool_)):
-        raise TypeError(f"argument 'use_cuda_graph': expected a bool, got {type(use_cuda_graph).__name__}")
+    _check_flag(use_cuda_graph, "use_cuda_graph")
     total = 0
     for b, (e, s) in enumerate(zip(extend, seq)):
         if not 0 < e <= s:
@@ -202,8 +237,31 @@ def _segment_state(kv: torch.Tensor, s: torch.Tensor):
     return m, total, (w * kv).sum(dim=0) / total
 
 
-def _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape) -> int:
-    """Checks the shapes shared by both run functions; returns head_dim."""
+def state_to_store(m, total, kv, dtype: torch.dtype, *, exact_bf16_stores: bool = True) -> torch.Tensor:
+    """The ``[..., 3D]`` state ``[max | sum | kv]`` as it is stored in a pool of ``dtype``.
+
+    ``m``, ``total`` and ``kv`` are float64 ``[..., D]``. For a float32 pool
+    each field is rounded to float32. For a bfloat16 pool with
+    ``exact_bf16_stores`` (the kernels' scheme, SPEC section 8) the max is
+    rounded first, ``m_b = bf16(m)``, the sum is re-expressed against it,
+    ``total * exp(m - m_b)``, and only then are sum and kv rounded; without
+    it (the naive scheme) the three fields are rounded independently.
+    """
+    if dtype == torch.bfloat16 and exact_bf16_stores:
+        m_b = m.to(torch.bfloat16)
+        total = total * torch.exp(m - m_b.to(torch.float64))
+        m = m_b
+    return torch.cat([m.to(dtype), total.to(dtype), kv.to(dtype)], dim=-1)
+
+
+def _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape,
+                         output_rows: Optional[tuple[int, str]] = None) -> int:
+    """Checks the tensors shared by the run functions; returns head_dim.
+
+    ``output_rows`` is ``(rows, what)`` when ``kv_compressed_output`` has
+    ``rows`` rows described as ``what`` (compact prefill); by default it has
+    one row per ``kv_score_input`` row.
+    """
     tensors = {
         "kv_score_buffer": kv_score_buffer,
         "kv_score_input": kv_score_input,
@@ -215,6 +273,11 @@ def _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, 
             raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"argument '{name}': expected a floating-point tensor, got {t.dtype}")
+    if kv_score_buffer.dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"argument 'kv_score_buffer': expected dtype float32 or bfloat16 (the state dtype), "
+            f"got {kv_score_buffer.dtype}"
+        )
     if ape.dim() != 2 or ape.shape[0] != CHUNK_SIZE:
         raise ValueError(f"argument 'ape': expected shape [{CHUNK_SIZE}, D], got {list(ape.shape)}")
     d = ape.shape[1]
@@ -224,9 +287,14 @@ def _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, 
         )
     if kv_score_input.dim() != 2 or kv_score_input.shape[1] != 2 * d:
         raise ValueError(f"argument 'kv_score_input': expected shape [N, {2 * d}], got {list(kv_score_input.shape)}")
-    if kv_compressed_output.dim() != 2 or list(kv_compressed_output.shape) != [kv_score_input.shape[0], d]:
+    if output_rows is None:
+        rows, expected = kv_score_input.shape[0], f"[{kv_score_input.shape[0]}, {d}]"
+    else:
+        rows, what = output_rows
+        expected = f"[{what}, D] = [{rows}, {d}]"
+    if kv_compressed_output.dim() != 2 or list(kv_compressed_output.shape) != [rows, d]:
         raise ValueError(
-            f"argument 'kv_compressed_output': expected shape [{kv_score_input.shape[0]}, {d}], "
+            f"argument 'kv_compressed_output': expected shape {expected}, "
             f"got {list(kv_compressed_output.shape)}"
         )
     device = kv_score_buffer.device
@@ -265,6 +333,8 @@ def run_decode(
     indices: torch.Tensor,
     seq_lens: torch.Tensor,
     extra=None,
+    *,
+    exact_bf16_stores: bool = True,
 ) -> None:
     """One decode step: adds token ``b`` (row ``b`` of ``kv_score_input``) to slot ``indices[b]``.
 
@@ -277,10 +347,13 @@ def run_decode(
       the state is left alone;
     - otherwise: the slot gets the updated state, ``kv_compressed_output[b]`` is untouched.
 
-    ``extra`` is unused. Shapes: buffer ``[S, 1, 3D]``, input ``[B, 2D]``, output
-    ``[B, D]``, ape ``[128, D]``, indices and seq_lens ``[B]`` int32. Returns None.
+    ``extra`` is unused. Shapes: buffer ``[S, 1, 3D]`` float32 or bfloat16,
+    input ``[B, 2D]``, output ``[B, D]``, ape ``[128, D]``, indices and seq_lens
+    ``[B]`` int32. Each stored state is rounded once (:func:`state_to_store`;
+    ``exact_bf16_stores`` picks the bfloat16 scheme). Returns None.
     """
     d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape)
+    exact = _check_flag(exact_bf16_stores, "exact_bf16_stores")
     batch = kv_score_input.shape[0]
     device = kv_score_buffer.device
     slots = _slot_indices(indices, "indices", batch, kv_score_buffer.shape[0], device)
@@ -320,8 +393,9 @@ def run_decode(
         kv_compressed_output[closes] = new_kv[closes].to(kv_compressed_output.dtype)
     keep = ~closes
     if bool(keep.any()):
-        new_state = torch.cat([new_m, new_total, new_kv], dim=1)[keep]
-        kv_score_buffer[slots[keep], 0] = new_state.to(kv_score_buffer.dtype)
+        kv_score_buffer[slots[keep], 0] = state_to_store(
+            new_m[keep], new_total[keep], new_kv[keep], kv_score_buffer.dtype, exact_bf16_stores=exact
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -357,6 +431,8 @@ def run_prefill(
     compress_plan: torch.Tensor,
     write_plan: torch.Tensor,
     load_indices: Optional[torch.Tensor] = None,
+    *,
+    exact_bf16_stores: bool = True,
 ) -> None:
     """A planned chunked prefill; updates ``kv_compressed_output`` and ``kv_score_buffer`` in place.
 
@@ -374,11 +450,44 @@ def run_prefill(
     1. Compress pass, all rows first: ``kv_compressed_output[ragged_id]`` = the
        state's kv. The buffer is never written.
     2. Write pass: every row's prior state is read, then ``kv_score_buffer[indices[batch_id], 0]``
-       = ``[max | sum | kv]``.
+       = ``[max | sum | kv]``, rounded once to the pool's dtype (float32 or
+       bfloat16; :func:`state_to_store`, ``exact_bf16_stores`` picks the
+       bfloat16 scheme).
 
     Raises :class:`ValueError` (nothing written) for malformed rows or slots out of range.
     """
-    d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape)
+    _prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan, write_plan,
+             load_indices, compact=False, exact_bf16_stores=exact_bf16_stores)
+
+
+def run_prefill_compact(
+    kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, kv_compressed_output: torch.Tensor,
+    ape: torch.Tensor, indices: torch.Tensor, compress_plan: torch.Tensor, write_plan: torch.Tensor,
+    load_indices: Optional[torch.Tensor] = None, *, exact_bf16_stores: bool = True,
+) -> None:
+    """:func:`run_prefill` with a compact output (SPEC section 10).
+
+    ``kv_compressed_output`` is ``[M_c, D]`` with ``M_c = compress_plan.size(0)``:
+    the row of compress-plan row ``i`` goes to output row ``i`` (that plan
+    row's ``ragged_id`` and ``position`` say which token and chunk it belongs
+    to). Output rows of padding plan rows are left untouched; a plan of zero
+    rows takes a ``[0, D]`` output. The state pool is written exactly as by
+    :func:`run_prefill`. Raises :class:`ValueError` naming
+    ``kv_compressed_output`` when it does not have ``M_c`` rows.
+    """
+    _prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan, write_plan,
+             load_indices, compact=True, exact_bf16_stores=exact_bf16_stores)
+
+
+def _prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan, write_plan,
+             load_indices, *, compact: bool, exact_bf16_stores: bool) -> None:
+    """The body of both prefills; ``compact`` picks where a compress row's result goes."""
+    output_rows = None
+    if compact:
+        _check_plan_tensor(compress_plan, "compress_plan")  # its row count sizes the output
+        output_rows = (compress_plan.shape[0], "compress_plan rows")
+    d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape, output_rows)
+    exact = _check_flag(exact_bf16_stores, "exact_bf16_stores")
     num_tokens = kv_score_input.shape[0]
     device = kv_score_buffer.device
     if not isinstance(indices, torch.Tensor):
@@ -395,6 +504,10 @@ def run_prefill(
     write_rows = _live_rows(write_plan, "write_plan", num_tokens, batch, compress=False)
     if not len(compress_rows) and not len(write_rows):
         return
+    if compact:  # output row of each live row: its index in the plan, padding rows included
+        targets = (decode_rows(compress_plan)[:, 0] != PADDING_ROW).nonzero().flatten().tolist()
+    else:
+        targets = compress_rows[:, 0].tolist()
 
     x = kv_score_input.to(torch.float64)
     ape64 = ape.to(torch.float64)
@@ -403,18 +516,19 @@ def run_prefill(
 
     # 1. Compress pass: reads prior states, writes only output rows.
     outputs = []
-    for row in compress_rows:
+    for row, target in zip(compress_rows, targets):
         prior = kv_score_buffer[load_list[int(row[1])], 0]
         _, _, kv = _prefill_row_state(row, x, ape64, prior, d)
-        outputs.append((int(row[0]), kv))
-    for ragged, kv in outputs:
-        kv_compressed_output[ragged] = kv.to(kv_compressed_output.dtype)
+        outputs.append((target, kv))
+    for target, kv in outputs:
+        kv_compressed_output[target] = kv.to(kv_compressed_output.dtype)
 
     # 2. Write pass: every prior state is read before any state is stored.
     states = []
     for row in write_rows:
         b = int(row[1])
         prior = kv_score_buffer[load_list[b], 0]
-        states.append((store_list[b], torch.cat(_prefill_row_state(row, x, ape64, prior, d))))
+        m, total, kv = _prefill_row_state(row, x, ape64, prior, d)
+        states.append((store_list[b], state_to_store(m, total, kv, kv_score_buffer.dtype, exact_bf16_stores=exact)))
     for slot, state in states:
-        kv_score_buffer[slot, 0] = state.to(kv_score_buffer.dtype)
+        kv_score_buffer[slot, 0] = state

@@ -24,6 +24,7 @@ import secrets
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -386,9 +387,9 @@ def list_entries(root: Path) -> list[JitCacheInfo]:
     return entries
 
 
-def clear_cache(root: Path, name_prefix: str | None = None) -> list[str]:
-    """Delete published entries (all, or those whose variant name starts with ``name_prefix``);
-    returns their folder names.
+def clear_cache(root: Path, name_prefix: str | None = None, match: Callable[[str], bool] | None = None) -> list[str]:
+    """Delete published entries (all, or those whose variant name starts with ``name_prefix`` and
+    satisfies ``match``); returns their folder names.
 
     Each is renamed away first, so a concurrent loader never sees half of one. Clearing
     everything also drops failed-build logs, remembered compiler versions and dead
@@ -397,10 +398,10 @@ def clear_cache(root: Path, name_prefix: str | None = None) -> list[str]:
     layout = CacheLayout(root)
     removed = []
     for info in list_entries(root):
-        if name_prefix is None or info.name.startswith(name_prefix):
+        if (name_prefix is None or info.name.startswith(name_prefix)) and (match is None or match(info.name)):
             quarantine(layout, info.path)
             removed.append(info.folder)
-    if name_prefix is None and root.is_dir():
+    if name_prefix is None and match is None and root.is_dir():
         for path in (layout.failed, root / ".toolchain", layout.trash):
             remove_tree(path)
         clean_staging(layout, None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from .cache import clear_cache, list_entries
@@ -84,10 +84,11 @@ def _size(nbytes: int) -> str:
         f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def status(cache_dir: str | os.PathLike[str] | None = None) -> int:
-    """Print what the cache holds: folder, variant, arch, key, size, build time. Returns 0."""
+def status(cache_dir: str | os.PathLike[str] | None = None, match: Callable[[str], bool] | None = None) -> int:
+    """Print what the cache holds (the entries whose variant name satisfies ``match``): folder,
+    variant, arch, key, size, build time. Returns 0."""
     root = config.resolve_cache_dir(cache_dir)
-    entries = list_entries(root)
+    entries = [e for e in list_entries(root) if match is None or match(e.name)]
     print(f"cache: {root}")
     if not entries:
         print("(empty)")
@@ -102,11 +103,13 @@ def status(cache_dir: str | os.PathLike[str] | None = None) -> int:
     return 0
 
 
-def clear(cache_dir: str | os.PathLike[str] | None = None, name_prefix: str | None = None) -> int:
-    """Delete cached builds (all, or those whose variant name starts with ``name_prefix``). Returns 0."""
+def clear(cache_dir: str | os.PathLike[str] | None = None, name_prefix: str | None = None,
+          match: Callable[[str], bool] | None = None) -> int:
+    """Delete cached builds (all, or those whose variant name starts with ``name_prefix`` and
+    satisfies ``match``). Returns 0."""
     root = config.resolve_cache_dir(cache_dir)
-    for folder in (removed := clear_cache(root, name_prefix)):
+    for folder in (removed := clear_cache(root, name_prefix, match)):
         print(f"removed {folder}")
-    which = f" matching {name_prefix!r}" if name_prefix else ""
+    which = " matching the selection" if name_prefix or match else ""
     print(f"cleared {len(removed)} entries{which} from {root}")
     return 0

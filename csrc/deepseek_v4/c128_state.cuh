@@ -1,0 +1,200 @@
+// The online softmax state of DeepSeek-V4's c128 compressor, 4 channels at a
+// time: partial softmaxes, merging, one-token updates, and loading / storing a
+// slot in its state dtype (float32 or bfloat16, docs/SPEC.md sections 1 and 8).
+// Device helpers only: the kernels that use them are c128_online.cuh
+// (decode, prefill) and c128_verify.cuh (speculative verify and commit).
+#pragma once
+
+#include <sgl_kernel/type.cuh>
+#include <sgl_kernel/utils.cuh>
+#include <sgl_kernel/vec.cuh>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace flash_compress::c128 {
+
+inline constexpr uint32_t kVecWidth = 4;
+using Vec = device::AlignedVector<float, kVecWidth>;
+
+template <int64_t kHeadDim>
+inline constexpr bool kSupportedHeadDim = kHeadDim >= 64 && kHeadDim <= 1024 && kHeadDim % 64 == 0;
+
+template <typename StateT>
+inline constexpr bool kSupportedState = std::is_same_v<StateT, float> || std::is_same_v<StateT, device::bf16_t>;
+
+/// \brief Softmax over a set of tokens, per channel, not yet normalised:
+/// `max`, `sum = sum_j exp(s_j - max)` and `acc = sum_j exp(s_j - max) * kv_j`.
+/// The empty set is (-inf, 0, 0), which every merge treats as a no-op.
+struct SoftmaxPartial {
+  Vec max, sum, acc;
+
+  SGL_DEVICE static SoftmaxPartial empty() {
+    SoftmaxPartial p;
+    p.max.fill(-INFINITY);
+    p.sum.fill(0.0f);
+    p.acc.fill(0.0f);
+    return p;
+  }
+};
+
+/// \brief Adds the first `count` of `kBatch` tokens to `part`. Their maximum
+/// is taken first, so the running sums are rescaled once per batch.
+template <uint32_t kBatch>
+SGL_DEVICE void absorb_tokens(SoftmaxPartial& part, const Vec (&kv)[kBatch], const Vec (&score)[kBatch],
+                              uint32_t count) {
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) {
+    float batch_max = part.max[c];
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+      if (k < count) batch_max = fmaxf(batch_max, score[k][c]);
+    }
+    // batch_max is finite (count >= 1), so an empty part scales by exp(-inf) = 0.
+    const float rescale = expf(part.max[c] - batch_max);
+    float sum = part.sum[c] * rescale;
+    float acc = part.acc[c] * rescale;
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+      if (k < count) {
+        const float weight = expf(score[k][c] - batch_max);
+        sum += weight;
+        acc = fmaf(weight, kv[k][c], acc);
+      }
+    }
+    part.max[c] = batch_max;
+    part.sum[c] = sum;
+    part.acc[c] = acc;
+  }
+}
+
+/// \brief `into` becomes the softmax over the union of both token sets.
+/// Either side, or both, may be empty.
+SGL_DEVICE void merge_partial(SoftmaxPartial& into, const SoftmaxPartial& other) {
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) {
+    const float max = fmaxf(into.max[c], other.max[c]);
+    // Two empty sides would give exp(-inf - -inf) = NaN; any finite
+    // reference keeps their weights at exp(-inf) = 0.
+    const float ref = max == -INFINITY ? 0.0f : max;
+    const float scale_into = expf(into.max[c] - ref);
+    const float scale_other = expf(other.max[c] - ref);
+    into.max[c] = max;
+    into.sum[c] = into.sum[c] * scale_into + other.sum[c] * scale_other;
+    into.acc[c] = into.acc[c] * scale_into + other.acc[c] * scale_other;
+  }
+}
+
+/// \brief A stored state `[max | sum | kv]` (kv normalised) for 4 channels.
+struct SoftmaxState {
+  Vec max, sum, kv;
+};
+
+/// \brief The state of `part`'s tokens alone.
+SGL_DEVICE SoftmaxState finish_state(const SoftmaxPartial& part) {
+  SoftmaxState out;
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) {
+    out.max[c] = part.max[c];
+    out.sum[c] = part.sum[c];
+    out.kv[c] = part.acc[c] / part.sum[c];
+  }
+  return out;
+}
+
+/// \brief The state of the tokens of `prior` followed by those of `part`.
+SGL_DEVICE SoftmaxState finish_state(const SoftmaxPartial& part, const SoftmaxState& prior) {
+  SoftmaxState out;
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) {
+    const float max = fmaxf(prior.max[c], part.max[c]);
+    const float prior_weight = prior.sum[c] * expf(prior.max[c] - max);
+    const float part_scale = expf(part.max[c] - max);
+    const float sum = prior_weight + part.sum[c] * part_scale;
+    out.max[c] = max;
+    out.sum[c] = sum;
+    out.kv[c] = (prior.kv[c] * prior_weight + part.acc[c] * part_scale) / sum;
+  }
+  return out;
+}
+
+/// \brief 4 channels of one field of a stored state, widened to float.
+template <typename StateT>
+SGL_DEVICE Vec load_state_field(const StateT* field) {
+  if constexpr (std::is_same_v<StateT, float>) {
+    Vec v;
+    v.load(field);
+    return v;
+  } else {
+    device::AlignedVector<StateT, kVecWidth> raw;
+    raw.load(field);
+    Vec v;
+#pragma unroll
+    for (uint32_t c = 0; c < kVecWidth; ++c) v[c] = device::cast<float>(raw[c]);
+    return v;
+  }
+}
+
+/// \brief Loads 4 channels of a stored state; `slot` points at their `max`,
+/// the fields are `field_stride` elements apart.
+template <typename StateT>
+SGL_DEVICE SoftmaxState load_state(const StateT* slot, int64_t field_stride) {
+  return SoftmaxState{load_state_field(slot), load_state_field(slot + field_stride),
+                      load_state_field(slot + 2 * field_stride)};
+}
+
+/// \brief Stores 4 channels of a state. A bfloat16 `max` is rounded first and
+/// `sum` re-expressed against the rounded value, so the pair still means the
+/// same softmax (`max + log(sum)` keeps float32 accuracy); then `sum` and `kv`
+/// are rounded to nearest.
+template <typename StateT>
+SGL_DEVICE void store_state(StateT* slot, int64_t field_stride, const SoftmaxState& state) {
+  if constexpr (std::is_same_v<StateT, float>) {
+    state.max.store(slot);
+    state.sum.store(slot + field_stride);
+    state.kv.store(slot + 2 * field_stride);
+  } else {
+    device::AlignedVector<StateT, kVecWidth> max, sum, kv;
+#pragma unroll
+    for (uint32_t c = 0; c < kVecWidth; ++c) {
+      max[c] = device::cast<StateT>(state.max[c]);
+      sum[c] = device::cast<StateT>(state.sum[c] * expf(state.max[c] - device::cast<float>(max[c])));
+      kv[c] = device::cast<StateT>(state.kv[c]);
+    }
+    max.store(slot);
+    sum.store(slot + field_stride);
+    kv.store(slot + 2 * field_stride);
+  }
+}
+
+
+/// \brief The state of one token alone (biased score `s`, value `v`): a chunk's first token.
+SGL_DEVICE SoftmaxState first_token_state(const Vec& s, const Vec& v) {
+  SoftmaxState out;
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) {
+    out.max[c] = s[c];
+    out.sum[c] = 1.0f;
+    out.kv[c] = v[c];
+  }
+  return out;
+}
+
+/// \brief `old` followed by one token (biased score `s`, value `v`).
+SGL_DEVICE SoftmaxState add_token(const SoftmaxState& old, const Vec& s, const Vec& v) {
+  SoftmaxState out;
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) {
+    const float max = fmaxf(old.max[c], s[c]);
+    const float old_weight = old.sum[c] * expf(old.max[c] - max);
+    const float new_weight = expf(s[c] - max);
+    const float sum = old_weight + new_weight;
+    out.max[c] = max;
+    out.sum[c] = sum;
+    out.kv[c] = (old.kv[c] * old_weight + v[c] * new_weight) / sum;
+  }
+  return out;
+}
+
+}  // namespace flash_compress::c128

@@ -1,0 +1,255 @@
+// Speculative decoding for the online c128 compressor (docs/SPEC.md section 9):
+// verify T draft tokens per request without touching the pool, recording the
+// state after every token, then commit the state after the accepted prefix.
+// Neither kernel needs the host to know how many tokens were accepted, so a
+// whole verify step can be captured in a CUDA graph.
+#pragma once
+
+#include <dlpack/dlpack.h>
+#include <sgl_kernel/deepseek_v4/compress.cuh>
+#include <sgl_kernel/tensor.h>
+#include <sgl_kernel/utils.cuh>
+#include <sgl_kernel/utils.h>
+#include <tvm/ffi/container/tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "c128_state.cuh"
+
+namespace flash_compress::c128 {
+
+using device::compress::kC128ChunkSize;
+
+/// Most draft tokens per request one verify step takes.
+inline constexpr int64_t kMaxVerifyTokens = 16;
+
+template <typename StateT>
+struct VerifyParams {
+  const StateT* __restrict__ state;      // [num_slots, 3D], read only
+  const float* __restrict__ input;       // [B*T, 2D]  | kv | score |
+  float* __restrict__ output;            // [B*T, D]
+  const float* __restrict__ ape;         // [128, D]
+  const int32_t* __restrict__ indices;   // [B]
+  const int32_t* __restrict__ seq_lens;  // [B], counting all T tokens
+  StateT* __restrict__ prefix_states;    // [B*T, 3D]
+  uint32_t batch_size;
+  uint32_t window;  // T
+  int32_t num_slots;
+};
+
+template <int64_t kHeadDim>
+struct VerifyLayout {
+  static constexpr uint32_t kLanes = kHeadDim / kVecWidth;  // threads per request, 4 channels each
+  static constexpr uint32_t kThreads = kLanes > 128 ? kLanes : 128;
+  static constexpr uint32_t kRequestsPerBlock = kThreads / kLanes;
+  /// Tokens whose loads are in flight together.
+  static constexpr uint32_t kAhead = 4;
+};
+
+/// \brief One thread: 4 channels of one request, through its T tokens in order.
+template <int64_t kHeadDim, bool kUsePDL, typename StateT>
+__global__ void __launch_bounds__(VerifyLayout<kHeadDim>::kThreads)
+    c128_verify_kernel(const __grid_constant__ VerifyParams<StateT> params) {
+  using Layout = VerifyLayout<kHeadDim>;
+  constexpr uint32_t kAhead = Layout::kAhead;
+  const uint32_t lane = threadIdx.x % Layout::kLanes;
+  const uint32_t request = blockIdx.x * Layout::kRequestsPerBlock + threadIdx.x / Layout::kLanes;
+  const uint32_t window = params.window;
+
+  device::PDLWaitPrimary<kUsePDL>();
+  if (request >= params.batch_size) return;
+  const int32_t slot = params.indices[request];
+  const int32_t seq_len = params.seq_lens[request];
+  // Values the host cannot check without a sync: such a request is skipped.
+  if (seq_len < static_cast<int32_t>(window) || slot < 0 || slot >= params.num_slots) return;
+  const uint32_t first_pos = static_cast<uint32_t>(seq_len - static_cast<int32_t>(window)) % kC128ChunkSize;
+  const int64_t first_row = static_cast<int64_t>(request) * window;
+  const int64_t channel = lane * kVecWidth;
+  SoftmaxState state;
+  if (first_pos != 0) state = load_state(params.state + static_cast<int64_t>(slot) * (3 * kHeadDim) + channel, kHeadDim);
+  device::PDLTriggerSecondary<kUsePDL>();
+
+  for (uint32_t j0 = 0; j0 < window; j0 += kAhead) {
+    Vec kv[kAhead], score[kAhead], bias[kAhead];
+#pragma unroll
+    for (uint32_t k = 0; k < kAhead; ++k) {
+      if (j0 + k < window) {
+        const float* token = params.input + (first_row + j0 + k) * (2 * kHeadDim) + channel;
+        kv[k].load(token);
+        score[k].load(token + kHeadDim);
+        bias[k].load(params.ape + ((first_pos + j0 + k) % kC128ChunkSize) * kHeadDim + channel);
+      }
+    }
+#pragma unroll
+    for (uint32_t k = 0; k < kAhead; ++k) {
+      const uint32_t j = j0 + k;
+      if (j >= window) break;
+      const uint32_t pos = (first_pos + j) % kC128ChunkSize;
+#pragma unroll
+      for (uint32_t c = 0; c < kVecWidth; ++c) score[k][c] += bias[k][c];
+      // Tokens build on the unrounded state; only what is stored is rounded.
+      state = pos == 0 ? first_token_state(score[k], kv[k]) : add_token(state, score[k], kv[k]);
+      store_state(params.prefix_states + (first_row + j) * (3 * kHeadDim) + channel, kHeadDim, state);
+      if (pos == kC128ChunkSize - 1) state.kv.store(params.output + (first_row + j) * kHeadDim + channel);
+    }
+  }
+}
+
+template <typename StateT>
+struct CommitParams {
+  StateT* __restrict__ state;                // [num_slots, 3D]
+  const StateT* __restrict__ prefix_states;  // [B*T, 3D]
+  const int32_t* __restrict__ indices;       // [B]
+  const int32_t* __restrict__ accept_lens;   // [B]
+  uint32_t batch_size;
+  uint32_t window;  // T
+  int32_t num_slots;
+};
+
+/// \brief A state row moves as 16-byte pieces, one per thread.
+template <int64_t kHeadDim, typename StateT>
+struct CommitLayout {
+  using Piece = uint4;
+  static constexpr uint32_t kPiecesPerRow = 3 * kHeadDim * sizeof(StateT) / sizeof(Piece);
+  static_assert(3 * kHeadDim * sizeof(StateT) % sizeof(Piece) == 0);
+  static constexpr uint32_t kThreads = 256;
+};
+
+/// \brief Copies prefix state `accept_lens[b] - 1` of request b into its slot.
+template <int64_t kHeadDim, bool kUsePDL, typename StateT>
+__global__ void __launch_bounds__(CommitLayout<kHeadDim, StateT>::kThreads)
+    c128_commit_kernel(const __grid_constant__ CommitParams<StateT> params) {
+  using Layout = CommitLayout<kHeadDim, StateT>;
+  using Piece = typename Layout::Piece;
+  const uint64_t thread = static_cast<uint64_t>(blockIdx.x) * Layout::kThreads + threadIdx.x;
+  const uint64_t request = thread / Layout::kPiecesPerRow;
+  const uint32_t piece = static_cast<uint32_t>(thread % Layout::kPiecesPerRow);
+
+  device::PDLWaitPrimary<kUsePDL>();
+  if (request < params.batch_size) {
+    const int32_t accepted = params.accept_lens[request];
+    const int32_t slot = params.indices[request];
+    if (accepted >= 1 && accepted <= static_cast<int32_t>(params.window) && slot >= 0 && slot < params.num_slots) {
+      const int64_t row = static_cast<int64_t>(request) * params.window + (accepted - 1);
+      const auto* from = reinterpret_cast<const Piece*>(params.prefix_states + row * (3 * kHeadDim));
+      auto* to = reinterpret_cast<Piece*>(params.state + static_cast<int64_t>(slot) * (3 * kHeadDim));
+      to[piece] = from[piece];
+    }
+  }
+  device::PDLTriggerSecondary<kUsePDL>();
+}
+
+// ---------------------------------------------------------------------------
+// Exports for one (head_dim, use_pdl, state dtype) variant.
+// ---------------------------------------------------------------------------
+
+template <int64_t kHeadDim, bool kUsePDL, typename StateT>
+struct C128Speculative {
+  static_assert(kSupportedHeadDim<kHeadDim>, "head_dim must be a multiple of 64 in [64, 1024]");
+  static_assert(kSupportedState<StateT>, "the state is float32 or bfloat16");
+
+  /// \brief `run_verify(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens,
+  /// prefix_states)`: docs/SPEC.md section 9.
+  static void run_verify(tvm::ffi::TensorView kv_score_buffer, tvm::ffi::TensorView kv_score_input,
+                         tvm::ffi::TensorView kv_compressed_output, tvm::ffi::TensorView ape,
+                         tvm::ffi::TensorView indices, tvm::ffi::TensorView seq_lens,
+                         tvm::ffi::TensorView prefix_states) {
+    using namespace host;
+    auto S = SymbolicSize{"num_slots"};
+    auto B = SymbolicSize{"batch_size"};
+    auto R = SymbolicSize{"num_tokens"};
+    auto device = SymbolicDevice{};
+    device.set_options<kDLCUDA>();
+    TensorMatcher({S, 1, 3 * kHeadDim}).with_dtype<StateT>().with_device(device).with_alignment(16)
+        .verify(kv_score_buffer, "kv_score_buffer");
+    TensorMatcher({R, 2 * kHeadDim}).with_dtype<float>().with_device(device).with_alignment(16)
+        .verify(kv_score_input, "kv_score_input");
+    TensorMatcher({R, kHeadDim}).with_dtype<float>().with_device(device).with_alignment(16)
+        .verify(kv_compressed_output, "kv_compressed_output");
+    TensorMatcher({static_cast<int64_t>(kC128ChunkSize), kHeadDim}).with_dtype<float>().with_device(device)
+        .with_alignment(16).verify(ape, "ape");
+    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(indices, "indices");
+    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(seq_lens, "seq_lens");
+    TensorMatcher({R, 3 * kHeadDim}).with_dtype<StateT>().with_device(device).with_alignment(16)
+        .verify(prefix_states, "prefix_states");
+    const int64_t window = tokens_per_request(R.unwrap(), B.unwrap(), "kv_score_input");
+    if (B.unwrap() == 0) return;
+    const VerifyParams<StateT> params{
+        .state = data_ptr<const StateT>(kv_score_buffer),
+        .input = data_ptr<const float>(kv_score_input),
+        .output = data_ptr<float>(kv_compressed_output),
+        .ape = data_ptr<const float>(ape),
+        .indices = data_ptr<const int32_t>(indices),
+        .seq_lens = data_ptr<const int32_t>(seq_lens),
+        .prefix_states = data_ptr<StateT>(prefix_states),
+        .batch_size = static_cast<uint32_t>(B.unwrap()),
+        .window = static_cast<uint32_t>(window),
+        .num_slots = checked_slots(S.unwrap()),
+    };
+    using Layout = VerifyLayout<kHeadDim>;
+    const auto blocks = (B.unwrap() + Layout::kRequestsPerBlock - 1) / Layout::kRequestsPerBlock;
+    LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap())
+        .enable_pdl(kUsePDL)(c128_verify_kernel<kHeadDim, kUsePDL, StateT>, params);
+  }
+
+  /// \brief `run_commit(kv_score_buffer, prefix_states, indices, accept_lens)`: docs/SPEC.md section 9.
+  static void run_commit(tvm::ffi::TensorView kv_score_buffer, tvm::ffi::TensorView prefix_states,
+                         tvm::ffi::TensorView indices, tvm::ffi::TensorView accept_lens) {
+    using namespace host;
+    auto S = SymbolicSize{"num_slots"};
+    auto B = SymbolicSize{"batch_size"};
+    auto R = SymbolicSize{"num_tokens"};
+    auto device = SymbolicDevice{};
+    device.set_options<kDLCUDA>();
+    TensorMatcher({S, 1, 3 * kHeadDim}).with_dtype<StateT>().with_device(device).with_alignment(16)
+        .verify(kv_score_buffer, "kv_score_buffer");
+    TensorMatcher({R, 3 * kHeadDim}).with_dtype<StateT>().with_device(device).with_alignment(16)
+        .verify(prefix_states, "prefix_states");
+    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(indices, "indices");
+    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(accept_lens, "accept_lens");
+    const int64_t window = tokens_per_request(R.unwrap(), B.unwrap(), "prefix_states");
+    if (B.unwrap() == 0) return;
+    const CommitParams<StateT> params{
+        .state = data_ptr<StateT>(kv_score_buffer),
+        .prefix_states = data_ptr<const StateT>(prefix_states),
+        .indices = data_ptr<const int32_t>(indices),
+        .accept_lens = data_ptr<const int32_t>(accept_lens),
+        .batch_size = static_cast<uint32_t>(B.unwrap()),
+        .window = static_cast<uint32_t>(window),
+        .num_slots = checked_slots(S.unwrap()),
+    };
+    using Layout = CommitLayout<kHeadDim, StateT>;
+    const int64_t threads = B.unwrap() * Layout::kPiecesPerRow;
+    const auto blocks = (threads + Layout::kThreads - 1) / Layout::kThreads;
+    LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap())
+        .enable_pdl(kUsePDL)(c128_commit_kernel<kHeadDim, kUsePDL, StateT>, params);
+  }
+
+ private:
+  /// \brief T = rows / B, which must divide evenly, with 1 <= T <= kMaxVerifyTokens (B = 0: no rows).
+  static int64_t tokens_per_request(int64_t rows, int64_t batch, const char* name) {
+    using host::CheckAs;
+    if (batch == 0) {
+      CheckAs("ValueError", rows == 0, "argument '", name, "': expected 0 rows for an empty batch, got ", rows);
+      return 0;
+    }
+    CheckAs("ValueError", rows % batch == 0, "argument '", name, "': expected B*T rows with B = ", batch,
+            " requests (indices), got ", rows, " rows, not a multiple of ", batch);
+    const int64_t window = rows / batch;
+    CheckAs("ValueError", window >= 1 && window <= kMaxVerifyTokens, "argument '", name,
+            "': expected T = rows / B in [1, ", kMaxVerifyTokens, "] tokens per request, got T = ", window);
+    CheckAs("ValueError", batch <= std::numeric_limits<int32_t>::max() / kMaxVerifyTokens, "argument 'indices': ",
+            "expected at most ", std::numeric_limits<int32_t>::max() / kMaxVerifyTokens, " requests, got ", batch);
+    return window;
+  }
+
+  static int32_t checked_slots(int64_t slots) {
+    host::CheckAs("ValueError", slots <= std::numeric_limits<int32_t>::max(),
+                  "argument 'kv_score_buffer': expected at most 2^31-1 slots, got ", slots);
+    return static_cast<int32_t>(slots);
+  }
+};
+
+}  // namespace flash_compress::c128
