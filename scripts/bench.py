@@ -1,6 +1,6 @@
 """Benchmark the online c128 kernels on a GPU against pure torch and the copy ceiling.
 
-    python scripts/bench.py [--head-dim 512] [--json bench.json] [--quick] [--skip-torch]
+    python scripts/bench.py [--head-dim 128 256 512] [--json bench.json] [--quick] [--skip-torch]
                             [--state-dtype float32 bfloat16]
                             [--reference ../shared/seed/c128_online.cuh.txt]
 
@@ -140,10 +140,15 @@ def plan(module, extend_lens, seq_lens, use_cuda_graph):
     return compress_plan[:num_compress].cuda(), write_plan[:num_write].cuda()
 
 
-def prefill_case(module, head_dim, batch, extend, random_prefix, gen):
+def prefill_case(module, head_dim, batch, extend, random_prefix, gen, singles=0):
+    """`batch` requests of `extend` new tokens (from position 0, or after random prefixes), then
+    `singles` one-token requests after random prefixes (decode tokens riding in a prefill)."""
     prefixes = torch.randint(0, 4 * CHUNK_SIZE, (batch,), generator=gen).tolist() if random_prefix else [0] * batch
-    seq_lens = [p + extend for p in prefixes]
-    rows = batch * extend
+    prefixes += torch.randint(1, 4 * CHUNK_SIZE, (singles,), generator=gen).tolist()
+    extends = [extend] * batch + [1] * singles
+    batch += singles
+    seq_lens = [p + e for p, e in zip(prefixes, extends)]
+    rows = sum(extends)
     slots = batch
     data = {
         "state": torch.randn(slots, 1, 3 * head_dim, device="cuda"),
@@ -152,9 +157,10 @@ def prefill_case(module, head_dim, batch, extend, random_prefix, gen):
         "ape": torch.randn(CHUNK_SIZE, head_dim, device="cuda"),
         "indices": torch.arange(batch, dtype=torch.int32, device="cuda"),
         "seq_lens": seq_lens,
+        "extends": extends,
     }
-    exact = plan(module, [extend] * batch, seq_lens, False)
-    padded = plan(module, [extend] * batch, seq_lens, True)
+    exact = plan(module, extends, seq_lens, False)
+    padded = plan(module, extends, seq_lens, True)
     num_closed = exact[0].shape[0]
     prior_reads = sum(1 for p in prefixes if p % CHUNK_SIZE)
     state_writes = exact[1].shape[0]
@@ -180,8 +186,11 @@ def decode_case(head_dim, batch, device="cuda"):
     return (state, tokens, out, ape, indices, seq_lens), traffic
 
 
-PREFILL_CASES = [("1x32768 from 0", 1, 32768, False), ("8x16384 from 0", 8, 16384, False),
-                 ("64x1024 random prefix", 64, 1024, True), ("256x300 random prefix", 256, 300, True)]
+#: (name, requests, new tokens each, random prefixes, one-token requests beside them).
+PREFILL_CASES = [("1x32768 from 0", 1, 32768, False, 0), ("8x16384 from 0", 8, 16384, False, 0),
+                 ("64x1024 random prefix", 64, 1024, True, 0), ("256x300 random prefix", 256, 300, True, 0),
+                 # Few rows per SM: one long request with decode tokens riding along.
+                 ("1x8192 + 255x1", 1, 8192, True, 255), ("1x2048 + 63x1", 1, 2048, True, 63)]
 DECODE_BATCHES = [1, 64, 512, 4096, 32768]
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -214,16 +223,16 @@ def run(args) -> list[Row]:
         rows.append(Row(case, impl, ms * 1e3, gbps, 100 * gbps / ceiling))
 
     prefill_cases = PREFILL_CASES if not args.quick else PREFILL_CASES[:1] + PREFILL_CASES[2:3]
-    for name, batch, extend, random_prefix in prefill_cases:
-        data, exact, padded, traffic = prefill_case(planner, head_dim, batch, extend, random_prefix, gen)
+    for name, batch, extend, random_prefix, singles in prefill_cases:
+        data, exact, padded, traffic = prefill_case(planner, head_dim, batch, extend, random_prefix, gen, singles)
         d = data
 
         for impl, impl_module, state_dtype in impls:
             # Each implementation runs the plans of its own planner (ours are planned already).
             ours = impl.startswith("flash_compress")
             own_exact, own_padded = (exact, padded) if ours else (
-                plan(impl_module, [extend] * batch, d["seq_lens"], False),
-                plan(impl_module, [extend] * batch, d["seq_lens"], True))
+                plan(impl_module, d["extends"], d["seq_lens"], False),
+                plan(impl_module, d["extends"], d["seq_lens"], True))
             state = d["state"].to(state_dtype)
 
             def call(plans, m=impl_module, state=state):
@@ -235,7 +244,7 @@ def run(args) -> list[Row]:
             add(f"prefill {name}", f"{impl} in graph", graph_median_ms(lambda: call(own_exact), launches=10, iters=20),
                 traffic, state_dtype)
             del state
-        if not random_prefix and not args.skip_torch:
+        if not random_prefix and not singles and not args.skip_torch:
             out_rows = torch.empty(batch * extend // CHUNK_SIZE, head_dim, device="cuda")
             add(f"prefill {name}", "torch eager",
                 median_ms(lambda: torch_prefill_aligned(d["input"], d["ape"], out_rows), iters=20), traffic)
@@ -266,12 +275,61 @@ def run(args) -> list[Row]:
         if not args.skip_torch:
             add(case, "torch eager", graph_median_ms(eager, launches=10) if in_graph else median_ms(eager, iters=20),
                 traffic)
+    if not args.quick:
+        speculative_rows(impls, head_dim, add)
     return rows, ceiling
+
+
+def speculative_rows(impls, head_dim, add) -> None:
+    """Verify and commit (T = 4) in CUDA graphs, beside a decode of as many tokens."""
+    window = 4
+    for batch in (512, 8192):
+        tokens = batch * window
+        decode_args, decode_traffic = decode_case(head_dim, tokens)
+        state = torch.randn(batch, 1, 3 * head_dim, device="cuda")
+        inputs = torch.randn(tokens, 2 * head_dim, device="cuda")
+        out = torch.empty(tokens, head_dim, device="cuda")
+        ape = torch.randn(CHUNK_SIZE, head_dim, device="cuda")
+        indices = torch.randperm(batch, dtype=torch.int32).cuda()
+        seq_lens = torch.randint(window + 1, 100000, (batch,), dtype=torch.int32).cuda()
+        accept = torch.randint(1, window + 1, (batch,), dtype=torch.int32).cuda()
+        # Verify reads every input row and the committed states and writes every prefix state;
+        # commit reads one prefix state per request and writes its slot.
+        verify_traffic = Traffic(4 * tokens * 2 * head_dim, 3 * head_dim * (batch + tokens))
+        commit_traffic = Traffic(0, 3 * head_dim * 2 * batch)
+        for impl, module, state_dtype in impls:
+            if not impl.startswith("flash_compress"):
+                continue
+            pool = state.to(state_dtype)
+            prefix = torch.empty(tokens, 3 * head_dim, dtype=state_dtype, device="cuda")
+            decode_state = decode_args[0].to(state_dtype)
+
+            def verify(m=module, pool=pool, prefix=prefix):
+                m.run_verify(pool, inputs, out, ape, indices, seq_lens, prefix)
+
+            def commit(m=module, pool=pool, prefix=prefix):
+                m.run_commit(pool, prefix, indices, accept)
+
+            def step():
+                verify()
+                commit()
+
+            def decode(m=module, decode_state=decode_state):
+                m.run_decode(decode_state, *decode_args[1:], None)
+
+            case = f"B={batch} T={window} (graph)"
+            add(f"decode B={tokens} (graph)", impl, graph_median_ms(decode, launches=20), decode_traffic, state_dtype)
+            add(f"verify {case}", impl, graph_median_ms(verify, launches=20), verify_traffic, state_dtype)
+            add(f"commit {case}", impl, graph_median_ms(commit, launches=20), commit_traffic, state_dtype)
+            add(f"verify+commit {case}", impl, graph_median_ms(step, launches=20),
+                Traffic(verify_traffic.float_bytes, verify_traffic.state_values + commit_traffic.state_values),
+                state_dtype)
+            del pool, prefix, decode_state
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--head-dim", type=int, default=512)
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[512], help="one table per head_dim (default 512)")
     parser.add_argument("--json", default=None, help="write the rows here as JSON")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--skip-torch", action="store_true", help="time only this project and the copy")
@@ -283,10 +341,13 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows, ceiling = run(args)
-    print(f"{'case':34} {'impl':28} {'us':>10} {'GB/s':>8} {'% copy':>7}")
-    for r in rows:
-        print(f"{r.case:34} {r.impl:28} {r.us:10.2f} {r.gbps:8.0f} {r.pct_copy:6.1f}%")
+    tables = {}
+    for head_dim in args.head_dim:
+        rows, ceiling = run(argparse.Namespace(**{**vars(args), "head_dim": head_dim}))
+        tables[head_dim] = [asdict(r) for r in rows]
+        print(f"\nhead_dim {head_dim}\n{'case':34} {'impl':28} {'us':>10} {'GB/s':>8} {'% copy':>7}")
+        for r in rows:
+            print(f"{r.case:34} {r.impl:28} {r.us:10.2f} {r.gbps:8.0f} {r.pct_copy:6.1f}%")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_planner import planner_rows
 
@@ -296,8 +357,7 @@ def main() -> int:
         print(f"{r['case']:34} {r['impl']:28} {r['us']:10.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": ceiling,
-                                               "head_dim": args.head_dim, "rows": [asdict(r) for r in rows],
-                                               "planner": planner}, indent=2))
+                                               "tables": tables, "planner": planner}, indent=2))
     return 0
 
 

@@ -64,11 +64,11 @@ def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtyp
     out: dict[str, dict[str, tuple]] = {}
     gen = torch.Generator().manual_seed(0)
     tree = next(iter(impls.values()))
-    for name, batch, extend, random_prefix in ([] if decode_only else bench.PREFILL_CASES):
-        d, _, _, _ = bench.prefill_case(tree, head_dim, batch, extend, random_prefix, gen)
+    for name, batch, extend, random_prefix, singles in ([] if decode_only else bench.PREFILL_CASES):
+        d, _, _, _ = bench.prefill_case(tree, head_dim, batch, extend, random_prefix, gen, singles)
         for impl, m in impls.items():
-            exact = bench.plan(m, [extend] * batch, d["seq_lens"], False)
-            padded = bench.plan(m, [extend] * batch, d["seq_lens"], True)
+            exact = bench.plan(m, d["extends"], d["seq_lens"], False)
+            padded = bench.plan(m, d["extends"], d["seq_lens"], True)
             state = d["state"] if impl == "reference" else d["state"].to(state_dtype)
 
             def call(plans, m=m, d=d, state=state):

@@ -17,7 +17,12 @@ host<->device copies and our kernels; no torch kernel runs to report on):
    slots outside the pool, seq_len < 1, spoilt plan rows, random plan bytes;
 3. plans of ~1.2M padding rows around a few real ones, so every warp of a
    prefill pass loops over several batches of rows (on an H200 one round
-   covers ~540K rows).
+   covers ~540K rows);
+4. the bfloat16 variant (docs/SPEC.md sections 8-10): a schedule with compact
+   prefills and speculative verify + commit steps (chunk boundaries inside the
+   window), then verify + commit steps with values only the device sees
+   (accepted lengths 0 or above T, slots outside the pool, seq_len < T); the
+   float32 variant runs the same verify steps.
 
 torch's caching allocator is off in the driver (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``),
 so every tensor is its own cudaMalloc and memcheck sees the exact bounds.
@@ -73,6 +78,7 @@ def _driver(use_pdl: bool) -> None:
 
     module = flash_compress.load_module(head_dim=HEAD_DIM, use_pdl=use_pdl)
     run = DeviceRunner(module)  # no guard zones: exact allocation bounds for memcheck
+    bf16_run = DeviceRunner(flash_compress.load_module(head_dim=HEAD_DIM, use_pdl=use_pdl, state_dtype="bfloat16"))
 
     # 1. A fixed schedule covering every kernel path, checked against the oracle.
     h = ScheduleHarness(run, head_dim=HEAD_DIM, device="cpu", seed=3, num_slots=8)
@@ -108,6 +114,20 @@ def _driver(use_pdl: bool) -> None:
     buffer, output = call.buffer.clone(), call.output.clone()
     run.run_prefill(*(buffer, call.inputs, output) + call.args()[3:])
     dv.check_against_reference(call, buffer, output, "long padded plans")
+
+    # 4. bf16 pools, compact output, speculative verify + commit (float32 too).
+    for runner, dtype in ((bf16_run, torch.bfloat16), (run, torch.float32)):
+        h = ScheduleHarness(runner, head_dim=HEAD_DIM, device="cpu", seed=5, num_slots=10, state_dtype=dtype,
+                            compact=True, verify_prob=0.4)
+        batch = [h.start_request() for _ in range(4)]
+        h.prefill_step([(r, 120 + i, None) for i, r in enumerate(batch)])  # lengths 120..123
+        h.verify_step(batch, 8)  # every window crosses a chunk boundary
+        h.verify_bad_values_step(batch, 5, kinds=["good", "accept", "slot", "seq_len"])
+        for _ in range(6):
+            h.random_step()
+        h.check_live_states()
+        print(f"{dtype}: {h.stats.prefill_calls} prefill ({h.stats.compact_calls} compact), "
+              f"{h.stats.decode_calls} decode calls, verify steps done", flush=True)
     torch.cuda.synchronize()
     print(DRIVER_OK, flush=True)
 
@@ -133,7 +153,8 @@ def _prebuild(pdl_values: list[int]) -> None:
     import flash_compress
 
     for pdl in pdl_values:
-        flash_compress.load_module(head_dim=HEAD_DIM, use_pdl=bool(pdl))
+        for state_dtype in ("float32", "bfloat16"):
+            flash_compress.load_module(head_dim=HEAD_DIM, use_pdl=bool(pdl), state_dtype=state_dtype)
 
 
 # racecheck ends with "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)";

@@ -1,4 +1,4 @@
-"""A CPU stand-in for the kernels: SPEC sections 1, 3, 8 and 10 in float32 arithmetic.
+"""A CPU stand-in for the kernels: SPEC sections 1, 3 and 8-10 in float32 arithmetic.
 
 The reference (:mod:`flash_compress.reference`) computes in float64; the
 kernels compute in float32 and store float32 or bfloat16 states. This module
@@ -49,7 +49,8 @@ def _stored(state: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor
 
 
 class Float32Model:
-    """``run_decode``, ``run_prefill``, ``run_prefill_compact`` in float32; plans with the reference planner."""
+    """``run_decode``, ``run_prefill``, ``run_prefill_compact``, ``run_verify``, ``run_commit`` in float32; plans
+    with the reference planner."""
 
     plan_online_prefill = staticmethod(reference.plan_online_prefill)
 
@@ -100,3 +101,30 @@ class Float32Model:
     def run_prefill_compact(self, buffer, kv_score_input, out, ape, indices, compress_plan, write_plan,
                             load_indices=None) -> None:
         self._prefill(buffer, kv_score_input, out, ape, indices, compress_plan, write_plan, load_indices, True)
+
+    def run_verify(self, buffer, kv_score_input, out, ape, indices, seq_lens, prefix_states) -> None:
+        """SPEC section 9 as ``c128_verify_kernel`` does it: request by request, token by token, skipping
+        a slot outside the pool or ``seq_len < T``; only what is stored is rounded."""
+        d = ape.shape[1]
+        batch = indices.shape[0]
+        window = kv_score_input.shape[0] // batch if batch else 0
+        for b, (slot, seq_len) in enumerate(zip(indices.tolist(), seq_lens.tolist())):
+            if not 0 <= slot < buffer.shape[0] or seq_len < window:
+                continue
+            first = (seq_len - window) % CHUNK_SIZE
+            prior = buffer[slot, 0].to(F32)
+            state = None if first == 0 else (prior[:d], prior[d : 2 * d], prior[2 * d :])
+            for j in range(window):
+                offset, row = (first + j) % CHUNK_SIZE, b * window + j
+                token = kv_score_input[row].to(F32)
+                state = _add(None if offset == 0 else state, token[d:] + ape[offset].to(F32), token[:d])
+                prefix_states[row] = _stored(state, prefix_states.dtype)
+                if offset == CHUNK_SIZE - 1:
+                    out[row] = state[2].to(out.dtype)
+
+    def run_commit(self, buffer, prefix_states, indices, accept_lens) -> None:
+        batch = indices.shape[0]
+        window = prefix_states.shape[0] // batch if batch else 0
+        for b, (slot, accepted) in enumerate(zip(indices.tolist(), accept_lens.tolist())):
+            if 1 <= accepted <= window and 0 <= slot < buffer.shape[0]:
+                buffer[slot, 0] = prefix_states[b * window + accepted - 1]

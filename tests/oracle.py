@@ -80,6 +80,7 @@ __all__ = [
     "assert_state_close",
     "chunk_output",
     "chunk_outputs",
+    "last_chunk_state",
     "partial_state",
     "row_relative_error",
     "state_errors",
@@ -181,10 +182,22 @@ def partial_state(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor) -> P
 
     Computed offline over the open chunk's tokens ``128*(L//128) .. L-1``.
     """
-    length = kv.shape[0]
-    n = length % CHUNK_SIZE
-    if n == 0:
+    if kv.shape[0] % CHUNK_SIZE == 0:
         return None
+    return last_chunk_state(kv, score, ape)
+
+
+def last_chunk_state(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor) -> PartialState:
+    """State of the chunk holding the history's last token, closed or not (``L >= 1``).
+
+    Like :func:`partial_state`, but after a chunk-closing token (``L % 128 == 0``)
+    it is that full chunk's state, which a speculative verify step records
+    (``docs/SPEC.md`` section 9) and a commit may store.
+    """
+    length = kv.shape[0]
+    if length == 0:
+        raise ValueError("an empty history has no chunk")
+    n = (length - 1) % CHUNK_SIZE + 1
     lo = length - n
     logits = _f64(score[lo:]) + _f64(ape[:n])
     m = logits.max(dim=0).values

@@ -2,7 +2,8 @@
 
 ``impl`` is anything with ``run_decode``, ``run_prefill`` and
 ``plan_online_prefill`` taking tensors as ``docs/SPEC.md`` section 3 says (and
-``run_prefill_compact``, section 10, when compact prefills are asked for): the
+``run_prefill_compact``, section 10, when compact prefills are asked for, and
+``run_verify`` / ``run_commit``, section 9, for verify steps): the
 :mod:`flash_compress.reference` module, or a compiled module from
 ``flash_compress.load_module(head_dim)`` (whose planner returns a
 ``tvm_ffi.Array``; counts are normalised with ``tuple(int(x) for x in r)``).
@@ -16,7 +17,16 @@ requests, each holding one slot. Every step is either
   a few, up to / exactly to / just past a chunk end, across one or many chunk
   boundaries, 128-aligned, ...), optionally planned with ``use_cuda_graph``,
   where some requests move to a free slot: ``load_indices`` = old slot,
-  ``indices`` = new slot.
+  ``indices`` = new slot, or
+- with ``verify_prob > 0``, a speculative verify step (SPEC section 9,
+  :meth:`ScheduleHarness.verify_step`): T random tokens per request
+  (``1 <= T <= 16``), ``run_verify`` then ``run_commit`` with random accepted
+  lengths; each request then advances by its accepted count only (the
+  rejected drafts are forgotten). Half of these steps first bring their
+  requests to ``length % 128`` in 120..127 with a prefill, so that chunks
+  close inside the window. With ``verify_bad_prob``, some verify steps mix in
+  requests with values the host cannot check
+  (:meth:`ScheduleHarness.verify_bad_values_step`), which must be skipped.
 
 Requests also finish (their slot goes back to the free pool, content kept) and
 new ones start at length 0. Token data is fresh ``torch.randn`` float32 (scores
@@ -47,6 +57,19 @@ Checks after every call (tolerances in ``tests/oracle.py``):
   (:func:`bf16_state_flips`), which must stay rarer than
   :data:`SHADOW_MAX_FLIP_RATE` over the run.
 
+A verify step poisons ``kv_compressed_output`` and ``prefix_states`` with NaN
+and checks: the pool bitwise unchanged by ``run_verify``; the row of every
+token that closes a chunk (also past the accepted prefix) against the oracle,
+every other row still NaN; every prefix state against the oracle's state of
+the chunk holding that token (``oracle.last_chunk_state``, compared as any
+stored state); after ``run_commit``, each committed slot bitwise equal to the
+prefix state of its accepted length, every other slot bitwise unchanged, and
+``prefix_states`` unchanged. Skipped requests leave their rows and prefix
+states NaN and their slot unchanged. With a ``shadow``, verify's rows and
+prefix states are compared as for the other calls, and the shadow's commit
+from the same pre-call pool and prefix states must give the same pool, bit
+for bit (a commit copies).
+
 Every error measured against the oracle is kept in the stats (``row_errors``,
 ``state_kv_errors``, ``state_lse_errors``), so a run can report its
 distribution (``scripts/bf16_accuracy.py`` does).
@@ -75,6 +98,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 import oracle
+from device_values import INT32_MAX, INT32_MIN, bad_slots
 from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE, PADDING_ROW, ROW_BYTES, decode_rows
 
 __all__ = [
@@ -262,6 +286,19 @@ class ScheduleStats:
     shadow_checks: int = 0  # calls compared against the shadow
     shadow_state_elements: int = 0  # state elements compared against the shadow
     shadow_flips: int = 0  # of those, bf16 elements not bitwise equal (but within float32 rounding)
+    verify_calls: int = 0
+    commit_calls: int = 0
+    verify_windows: dict[int, int] = field(default_factory=dict)  # T -> verify calls
+    verify_closes: int = 0  # chunk-closing tokens in verify windows (rows checked)
+    verify_closes_rejected: int = 0  # of those, tokens past the accepted prefix
+    verify_crossings: int = 0  # windows that close a chunk and go on into the next one
+    prefix_states_checked: int = 0
+    commits: int = 0  # slots committed
+    commits_closed: int = 0  # of those, after a chunk-closing token (the full chunk's state)
+    accept_one: int = 0  # commits of 1 token
+    accept_all: int = 0  # commits of the whole window (T > 1)
+    verify_skipped: int = 0  # requests run_verify had to skip (slot outside the pool, seq_len < T)
+    commit_skipped: int = 0  # verified requests run_commit had to skip (accepted length 0 or > T, bad slot)
     extend_kinds: dict[str, int] = field(default_factory=dict)
     prefix_mod: dict[int, int] = field(default_factory=dict)  # prefix % 128 in {127, 0, 1} before a prefill
     row_errors: list[float] = field(default_factory=list)  # per emitted row, vs the oracle
@@ -273,7 +310,8 @@ class ScheduleHarness:
     """Drives ``impl`` through a random engine-like schedule and checks it against the float64 oracle.
 
     Args:
-        impl: object with ``run_decode``, ``run_prefill``, ``plan_online_prefill``.
+        impl: object with ``run_decode``, ``run_prefill``, ``plan_online_prefill`` (and
+            ``run_prefill_compact``, ``run_verify``, ``run_commit`` when those steps are asked for).
         head_dim: D.
         device: where state, inputs, outputs and plans live (``"cpu"`` or ``"cuda"``);
             planner inputs are always CPU (int64 lengths, uint8 plans).
@@ -294,6 +332,10 @@ class ScheduleHarness:
             docstring), or None.
         tolerances: bounds against the oracle (default ``oracle.tolerances(state_dtype)``;
             ``oracle.Tolerances.unchecked()`` to only measure).
+        verify_prob: chance that a step is a speculative verify + commit step (0: never,
+            and the schedule draws exactly what it drew before verify steps existed).
+        verify_bad_prob: chance that a verify step mixes in requests with values the
+            host cannot check (:meth:`verify_bad_values_step`).
     """
 
     def __init__(
@@ -317,6 +359,8 @@ class ScheduleHarness:
         compact: Optional[bool] = False,
         shadow: Any = None,
         tolerances: Optional[oracle.Tolerances] = None,
+        verify_prob: float = 0.0,
+        verify_bad_prob: float = 0.0,
     ) -> None:
         if num_slots < max_requests:
             raise ValueError("num_slots must be >= max_requests")
@@ -338,6 +382,8 @@ class ScheduleHarness:
         self.max_step_tokens = max_step_tokens
         self.finish_prob = finish_prob
         self.score_scale = score_scale
+        self.verify_prob = verify_prob
+        self.verify_bad_prob = verify_bad_prob
         ape = torch.randn(CHUNK_SIZE, head_dim, generator=self.gen) * ape_scale
         self.ape64 = ape.to(torch.float64)
         self.ape = ape.to(self.device)
@@ -396,7 +442,8 @@ class ScheduleHarness:
             raise AssertionError(f"{what}: output rows {bad} were written but must stay untouched (NaN)")
         self.stats.untouched_rows_checked += int((~written).sum())
 
-    def _check_buffer(self, before: torch.Tensor, written: dict[int, Request], what: str) -> None:
+    def _check_untouched(self, before: torch.Tensor, written: Sequence[int], what: str) -> None:
+        """Every slot but ``written`` is bitwise what it was ``before``."""
         keep = torch.ones(self.num_slots, dtype=torch.bool, device=self.device)
         if written:
             keep[list(written)] = False
@@ -405,6 +452,9 @@ class ScheduleHarness:
                 slots = keep.nonzero().flatten().tolist()
                 changed = [s for s in slots if not torch.equal(bits(before[s]), bits(self.buffer[s]))]
                 raise AssertionError(f"{what}: slots {changed} changed but must stay bitwise untouched")
+
+    def _check_buffer(self, before: torch.Tensor, written: dict[int, Request], what: str) -> None:
+        self._check_untouched(before, list(written), what)
         for slot, request in written.items():
             want = request.open_state(self.ape64)
             assert want is not None, "harness bug: a written slot must have an open chunk"
@@ -418,24 +468,33 @@ class ScheduleHarness:
                       written: Sequence[int], what: str) -> None:
         """The implementation's output and written slots against the shadow's, tightly (module docstring)."""
         what = f"{what} vs shadow"
-        out_cpu = out.detach().to("cpu")
-        nan_rows, shadow_nan_rows = torch.isnan(out_cpu).all(dim=1), torch.isnan(shadow_out).all(dim=1)
-        if not torch.equal(nan_rows, shadow_nan_rows):
-            rows = (nan_rows != shadow_nan_rows).nonzero().flatten().tolist()
-            raise AssertionError(f"{what}: output rows {rows} written by one of the two only")
-        live = ~nan_rows
-        oracle.assert_rows_close(out_cpu[live], shadow_out[live], f"{what}: output rows", rtol=SHADOW_ROW_RTOL)
+        self._check_shadow_rows(out, shadow_out, f"{what}: output rows")
         for slot in written:
-            got, want = self.buffer[slot, 0].detach().to("cpu"), shadow_buffer[slot, 0]
-            if self.state_dtype == torch.bfloat16:
-                self.stats.shadow_flips += bf16_state_flips(got, want, f"{what}: slot {slot}")
-            else:
-                d = self.head_dim
-                want64 = want.to(torch.float64)
-                state = oracle.PartialState(max=want64[:d], sum=want64[d : 2 * d], kv=want64[2 * d :])
-                oracle.assert_state_close(got, state, f"{what}: slot {slot}", tol=oracle.FLOAT32)
-            self.stats.shadow_state_elements += got.numel()
+            self._check_shadow_state(self.buffer[slot, 0], shadow_buffer[slot, 0], f"{what}: slot {slot}")
         self.stats.shadow_checks += 1
+
+    @staticmethod
+    def _check_shadow_rows(rows: torch.Tensor, shadow_rows: torch.Tensor, what: str) -> None:
+        """Rows written (not all NaN) by both or neither, and the written ones close (``SHADOW_ROW_RTOL``)."""
+        rows = rows.detach().to("cpu")
+        nan_rows, shadow_nan_rows = torch.isnan(rows).all(dim=1), torch.isnan(shadow_rows).all(dim=1)
+        if not torch.equal(nan_rows, shadow_nan_rows):
+            bad = (nan_rows != shadow_nan_rows).nonzero().flatten().tolist()
+            raise AssertionError(f"{what}: rows {bad} written by one of the two only")
+        live = ~nan_rows
+        oracle.assert_rows_close(rows[live], shadow_rows[live], what, rtol=SHADOW_ROW_RTOL)
+
+    def _check_shadow_state(self, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        """One stored ``[3D]`` state against the shadow's: float32 to float32 rounding, bf16 bitwise but for flips."""
+        got = got.detach().to("cpu")
+        if self.state_dtype == torch.bfloat16:
+            self.stats.shadow_flips += bf16_state_flips(got, want, what)
+        else:
+            d = self.head_dim
+            want64 = want.to(torch.float64)
+            state = oracle.PartialState(max=want64[:d], sum=want64[d : 2 * d], kv=want64[2 * d :])
+            oracle.assert_state_close(got, state, what, tol=oracle.FLOAT32)
+        self.stats.shadow_state_elements += got.numel()
 
     def check_shadow_flip_rate(self) -> None:
         """bf16 state elements not bitwise equal to the shadow's: at most ``SHADOW_MAX_FLIP_RATE`` of those compared.
@@ -603,8 +662,200 @@ class ScheduleHarness:
         self.stats.load_indices_calls += int(use_load)
         self.stats.tokens += total
 
+    # -- speculative decoding (SPEC section 9) --------------------------------
+
+    def verify_step(self, batch: Sequence[Request], window: int, accept: Optional[Sequence[int]] = None) -> None:
+        """``run_verify`` of ``window`` (T) fresh tokens per request of ``batch``, then ``run_commit``.
+
+        ``accept[b]`` (``1 <= a <= T``; random when None: 1, T or anything
+        between) is how many of request ``b``'s tokens are kept; the request
+        advances by that many and forgets the rest. Checks: module docstring.
+        """
+        if accept is None:
+            accept = [self.rng.choice([1, window, self.rng.randint(1, window)]) for _ in batch]
+        if len(accept) != len(batch) or not all(1 <= a <= window for a in accept):
+            raise ValueError(f"harness misuse: accepted lengths {list(accept)} for {len(batch)} requests, T = {window}")
+        self._verify_and_commit(batch, window, list(accept), {})
+
+    def verify_bad_values_step(self, batch: Sequence[Request], window: int,
+                               kinds: Optional[Sequence[str]] = None) -> None:
+        """A verify + commit step where some requests carry values the host cannot check.
+
+        ``kinds[b]`` (random when None) is one of ``"good"`` (a valid request,
+        random accepted length), ``"accept"`` (verified, then an accepted length
+        of 0, negative or above T: commit skips it), ``"slot"`` (its index
+        outside the pool: both calls skip it) or ``"seq_len"`` (``seq_len < T``:
+        verify skips it; its accepted length is invalid too, so that commit
+        does not copy the unwritten prefix state). A skipped request's rows
+        and prefix states stay NaN, every slot but the good requests' is
+        bitwise unchanged, and only the good requests advance.
+        """
+        rng = self.rng
+        if kinds is None:
+            kinds = [rng.choice(["good", "accept", "slot", "seq_len"]) for _ in batch]
+        if len(kinds) != len(batch):
+            raise ValueError(f"harness misuse: {len(kinds)} kinds for {len(batch)} requests")
+        bad_accepts = [0, -1, window + 1, 17, 1000, INT32_MAX, INT32_MIN]
+        accept: list[int] = []
+        overrides: dict[int, tuple[str, int]] = {}
+        for b, kind in enumerate(kinds):
+            if kind == "good":
+                accept.append(rng.randint(1, window))
+            elif kind == "accept":
+                accept.append(rng.choice(bad_accepts))
+            elif kind == "slot":
+                accept.append(rng.randint(1, window))
+                overrides[b] = ("slot", rng.choice(bad_slots(self.num_slots)))
+            elif kind == "seq_len":
+                accept.append(rng.choice(bad_accepts))
+                overrides[b] = ("seq_len", rng.choice([window - 1, 0, -1, -CHUNK_SIZE, INT32_MIN]))
+            else:
+                raise ValueError(f"harness misuse: unknown kind {kind!r}")
+        self._verify_and_commit(batch, window, accept, overrides)
+
+    def _verify_expectations(self, request: Request, kv64: torch.Tensor, score64: torch.Tensor):
+        """The oracle for ``request`` followed by these T tokens: the state after each token
+        (``oracle.last_chunk_state``) and ``{j: row}`` for the tokens that close a chunk."""
+        if request.kv is None:
+            kv, score = kv64, score64
+        else:
+            kv, score = torch.cat([request.kv, kv64]), torch.cat([request.score, score64])
+        seen = request.length - request.base  # tokens of the open chunk (the history starts at a chunk start)
+        states, rows = [], {}
+        for j in range(kv64.shape[0]):
+            n = seen + j + 1
+            states.append(oracle.last_chunk_state(kv[:n], score[:n], self.ape64))
+            if n % CHUNK_SIZE == 0:
+                rows[j] = oracle.chunk_output(kv[:n], score[:n], self.ape64, n // CHUNK_SIZE - 1)
+        return states, rows
+
+    def _verify_and_commit(self, batch: Sequence[Request], window: int, accept: list[int],
+                           overrides: dict[int, tuple[str, int]]) -> None:
+        """The body of both verify steps; ``overrides[b] = ("slot" | "seq_len", value)`` spoils request ``b``."""
+        n, t, d = len(batch), window, self.head_dim
+        slots = [r.slot for r in batch]
+        lens = [r.length + t for r in batch]
+        for b, (field_name, value) in overrides.items():
+            (slots if field_name == "slot" else lens)[b] = value
+        verified = [0 <= slots[b] < self.num_slots and lens[b] >= t for b in range(n)]
+        committed = [verified[b] and 1 <= accept[b] <= t for b in range(n)]
+        assert all(verified[b] or not 1 <= accept[b] <= t or not 0 <= slots[b] < self.num_slots for b in range(n)), \
+            "harness bug: a request verify skips must not be committed"
+
+        inp, kv64, score64 = self._tokens(n * t)
+        out = self._nan_output(n * t)
+        prefix = torch.full((n * t, 3 * d), float("nan"), dtype=self.state_dtype, device=self.device)
+        poison = prefix.clone()
+        indices = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        accept_lens = torch.tensor(accept, dtype=torch.int32, device=self.device)
+        what = f"verify step {self.stats.verify_calls} (T = {t}, seq_lens {lens}, accept {accept})"
+
+        before = self.buffer.clone()
+        self.impl.run_verify(self.buffer, inp, out, self.ape, indices, seq_lens, prefix)
+        self._check_untouched(before, [], f"{what}: run_verify")
+        if self.shadow is not None:
+            shadow_out = torch.full((n * t, d), float("nan"))
+            shadow_prefix = poison.to("cpu", copy=True)
+            self.shadow.run_verify(before.to("cpu", copy=True), inp.to("cpu"), shadow_out, self.ape.to("cpu"),
+                                   indices.to("cpu"), seq_lens.to("cpu"), shadow_prefix)
+
+        expected: dict[int, torch.Tensor] = {}
+        prefix_cpu = prefix.detach().to("cpu", copy=True)  # a copy: commit must not change prefix_states
+        for b, request in enumerate(batch):
+            rows = slice(b * t, (b + 1) * t)
+            if not verified[b]:
+                if not torch.equal(bits(prefix_cpu[rows]), bits(poison[rows].cpu())):
+                    raise AssertionError(f"{what}: prefix states of skipped request {b} were written")
+                self.stats.verify_skipped += 1
+                continue
+            states, closed = self._verify_expectations(request, kv64[rows], score64[rows])
+            for j, want in enumerate(states):
+                errors = oracle.assert_state_close(prefix_cpu[b * t + j], want,
+                                                   f"{what}: prefix state {j} of request {b}", tol=self.tol)
+                self.stats.state_kv_errors.append(errors["kv"])
+                self.stats.state_lse_errors.append(errors["lse"])
+            self.stats.prefix_states_checked += t
+            for j, row in closed.items():
+                expected[b * t + j] = row
+                self.stats.verify_closes += 1
+                self.stats.verify_closes_rejected += int(j >= accept[b])
+                self.stats.verify_crossings += int(j < t - 1)
+        self._check_outputs(out, expected, f"{what}: run_verify")
+        if self.shadow is not None:
+            self._check_shadow_rows(out, shadow_out, f"{what} vs shadow: output rows")
+            for b in range(n):
+                for j in range(t) if verified[b] else ():
+                    self._check_shadow_state(prefix_cpu[b * t + j], shadow_prefix[b * t + j],
+                                             f"{what} vs shadow: prefix state {j} of request {b}")
+            if not torch.equal(prefix_cpu.isnan(), shadow_prefix.isnan()):
+                raise AssertionError(f"{what} vs shadow: prefix states written by one of the two only")
+            self.stats.shadow_checks += 1
+
+        self.impl.run_commit(self.buffer, prefix, indices, accept_lens)
+        what = what.replace("verify step", "commit after verify step")
+        if not torch.equal(bits(prefix.detach().to("cpu")), bits(prefix_cpu)):
+            raise AssertionError(f"{what}: run_commit wrote prefix_states")
+        written = [slots[b] for b in range(n) if committed[b]]
+        self._check_untouched(before, written, what)
+        for b in range(n):
+            if not committed[b]:
+                self.stats.commit_skipped += int(verified[b])
+                continue
+            got, want = self.buffer[slots[b], 0].detach().to("cpu"), prefix_cpu[b * t + accept[b] - 1]
+            if not torch.equal(bits(got), bits(want)):
+                raise AssertionError(f"{what}: slot {slots[b]} is not prefix state {accept[b] - 1} of request {b}")
+        if self.shadow is not None:
+            shadow_buffer = before.to("cpu", copy=True)
+            self.shadow.run_commit(shadow_buffer, prefix_cpu.clone(), indices.to("cpu"), accept_lens.to("cpu"))
+            if not torch.equal(bits(self.buffer.detach().to("cpu")), bits(shadow_buffer)):
+                raise AssertionError(f"{what} vs shadow: the pools differ (a commit copies, bit for bit)")
+            self.stats.shadow_checks += 1
+
+        for b, request in enumerate(batch):
+            if not committed[b]:
+                continue
+            a = accept[b]
+            request.append(kv64[b * t : b * t + a], score64[b * t : b * t + a], self.ape64)
+            self.stats.commits += 1
+            self.stats.commits_closed += int(request.length % CHUNK_SIZE == 0)
+            self.stats.accept_one += int(a == 1)
+            self.stats.accept_all += int(a == t > 1)
+        self.stats.verify_calls += 1
+        self.stats.commit_calls += 1
+        self.stats.verify_windows[t] = self.stats.verify_windows.get(t, 0) + 1
+        self.stats.tokens += sum(accept[b] for b in range(n) if committed[b])
+
+    def _approach_chunk_end(self, batch: Sequence[Request]) -> None:
+        """A prefill step that brings every request of ``batch`` to ``length % 128`` in 120..127."""
+        plan = []
+        for request in batch:
+            target = request.length - request.length % CHUNK_SIZE + self.rng.randint(CHUNK_SIZE - 8, CHUNK_SIZE - 1)
+            if target <= request.length:
+                target += CHUNK_SIZE
+            plan.append((request, target - request.length, None))
+        self.prefill_step(plan, use_cuda_graph=self.rng.random() < 0.5)
+
+    def verify_every_window(self, batch: Sequence[Request]) -> None:
+        """A verify step for every T from 1 to 16, each after bringing ``batch`` near a chunk end; request ``b``
+        accepts 1, T or about half of the window, by ``b % 3``."""
+        for window in range(1, 17):
+            self._approach_chunk_end(batch)
+            self.verify_step(batch, window, accept=[(1, window, (window + 1) // 2)[b % 3] for b in range(len(batch))])
+
+    def random_verify_step(self, batch: Sequence[Request]) -> None:
+        """A verify step with random T (1..16); half the time the requests are first brought near a chunk end."""
+        rng = self.rng
+        window = rng.randint(1, 16)
+        if rng.random() < 0.5:
+            self._approach_chunk_end(batch)
+        if self.verify_bad_prob and rng.random() < self.verify_bad_prob:
+            self.verify_bad_values_step(batch, window)
+        else:
+            self.verify_step(batch, window)
+
     def random_step(self) -> None:
-        """One random engine step: maybe finish / start requests, then a decode or a prefill step."""
+        """One random engine step: maybe finish / start requests, then a decode, prefill or verify step."""
         rng = self.rng
         for request in list(self.requests):
             if request.length > 0 and rng.random() < self.finish_prob:
@@ -612,6 +863,9 @@ class ScheduleHarness:
         while len(self.requests) < self.max_requests and self.free_slots and (not self.requests or rng.random() < 0.3):
             self.start_request()
         batch = rng.sample(self.requests, rng.randint(1, len(self.requests)))
+        if self.verify_prob and rng.random() < self.verify_prob:
+            self.random_verify_step(batch)
+            return
         if rng.random() < self.decode_prob:
             self.decode_step(batch)
             return

@@ -121,8 +121,12 @@ __global__ void __launch_bounds__(DecodeLayout<kHeadDim>::kMaxThreads)
   const uint32_t request = blockIdx.x * (blockDim.x / Layout::kLanes) + threadIdx.x / Layout::kLanes;
 
   device::PDLWaitPrimary<kUsePDL>();
-  const DecodeLoads<StateT> loads = load_decode_request<kHeadDim>(params, request, lane);
+  // The next kernel may launch at once: its own wait holds it until this
+  // whole grid has completed, so an early trigger only hides its launch.
+  // (Measured: 512-request bf16 decode 2.48 -> 2.09 us, 64-request float32
+  // 1.56 -> 1.40 us, the rest within noise; docs/PERF_LOG.md.)
   device::PDLTriggerSecondary<kUsePDL>();
+  const DecodeLoads<StateT> loads = load_decode_request<kHeadDim>(params, request, lane);
   finish_decode_request<kHeadDim>(params, loads, request, lane);
 }
 

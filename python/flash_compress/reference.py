@@ -1,4 +1,4 @@
-"""Pure-PyTorch reference of the online c128 compressor (``docs/SPEC.md`` sections 1-4, 8 and 10).
+"""Pure-PyTorch reference of the online c128 compressor (``docs/SPEC.md`` sections 1-4 and 8-10).
 
 The functions here have the same names, signatures and in-place semantics as
 the compiled tvm-ffi module (``flash_compress.load_module``):
@@ -10,7 +10,10 @@ the compiled tvm-ffi module (``flash_compress.load_module``):
   compress-plan row instead of one per token (SPEC section 10);
 - :func:`plan_online_prefill` cuts a prefill into per-chunk segments and
   writes the 16-byte plan rows (their format and rules are
-  :mod:`flash_compress.plan_rows`).
+  :mod:`flash_compress.plan_rows`);
+- :func:`run_verify` and :func:`run_commit` are speculative decoding (SPEC
+  section 9): the state after each of T tokens per request, without touching
+  the pool, then the state after the accepted prefix into the slot.
 
 They take tensors on any device (CPU or CUDA) and are written to be plainly
 right, not fast: every value is cast to float64, the arithmetic follows the
@@ -38,8 +41,12 @@ states ignore the switch.
 
 Checks that need the values of device tensors (indices in range, seq_len >= 1,
 plan rows that fit the input) are done here too, by reading the values back:
-the reference raises :class:`ValueError` where the kernels would skip.
-Everything is validated before anything is written.
+decode and prefill raise :class:`ValueError` where the kernels would skip.
+Verify and commit instead skip exactly as their kernels do (SPEC section 9
+says so): a slot outside the pool, ``seq_len < T`` (verify) or an accepted
+length outside ``[1, T]`` (commit) leaves everything of that request
+untouched, and only argument checks raise. Everything is validated before
+anything is written.
 """
 
 from __future__ import annotations
@@ -62,12 +69,15 @@ from .plan_rows import (
 )
 
 __all__ = [
+    "MAX_VERIFY_TOKENS",
     "STATE_DTYPES",
     "plan_segments",
     "plan_online_prefill",
     "run_decode",
     "run_prefill",
+    "run_commit",
     "run_prefill_compact",
+    "run_verify",
     "state_to_store",
 ]
 
@@ -75,6 +85,8 @@ _LENGTH_DTYPES = (torch.int64, torch.int32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 #: The dtypes a state pool (``kv_score_buffer``) may have (SPEC section 8).
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+#: Most tokens per request one verify step takes (SPEC section 9).
+MAX_VERIFY_TOKENS = 16
 
 
 # ---------------------------------------------------------------------------
@@ -229,6 +241,20 @@ def _merge(m1, s1, k1, m2, s2, k2):
     return m, total, (k1 * a + k2 * b) / total
 
 
+def _add_token(m, total, kv, s, v, reset):
+    """SPEC 1's one-token update of ``[R, D]`` float64 states, row-wise; rows where ``reset`` (``[R]`` bool, the
+    token is at chunk offset 0) take the fresh state ``(s, 1, v)`` (their old state may be garbage: torch.where
+    does not let it leak)."""
+    new_m = torch.maximum(m, s)
+    a = total * torch.exp(m - new_m)
+    e = torch.exp(s - new_m)
+    new_total = a + e
+    new_kv = (kv * a + v * e) / new_total
+    reset = reset[:, None]
+    return (torch.where(reset, s, new_m), torch.where(reset, torch.ones_like(new_total), new_total),
+            torch.where(reset, v, new_kv))
+
+
 def _segment_state(kv: torch.Tensor, s: torch.Tensor):
     """The state ``(max, sum, kv)`` of a set of tokens: ``kv``, ``s`` are ``[T, D]`` float64 (s includes ape)."""
     m = s.max(dim=0).values
@@ -374,19 +400,7 @@ def run_decode(
     v = x[:, :d]
     s = x[:, d:] + ape.to(torch.float64)[j]
     state = kv_score_buffer[slots, 0].to(torch.float64)
-    m, total, kv = state[:, :d], state[:, d : 2 * d], state[:, 2 * d :]
-
-    # Online update; rows with j == 0 take the reset state instead (their old
-    # state may be garbage, torch.where does not let it leak).
-    new_m = torch.maximum(m, s)
-    a = total * torch.exp(m - new_m)
-    e = torch.exp(s - new_m)
-    new_total = a + e
-    new_kv = (kv * a + v * e) / new_total
-    reset = (j == 0)[:, None]
-    new_m = torch.where(reset, s, new_m)
-    new_total = torch.where(reset, torch.ones_like(new_total), new_total)
-    new_kv = torch.where(reset, v, new_kv)
+    new_m, new_total, new_kv = _add_token(state[:, :d], state[:, d : 2 * d], state[:, 2 * d :], s, v, j == 0)
 
     closes = j == CHUNK_SIZE - 1
     if bool(closes.any()):
@@ -532,3 +546,171 @@ def _prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices
         states.append((store_list[b], state_to_store(m, total, kv, kv_score_buffer.dtype, exact_bf16_stores=exact)))
     for slot, state in states:
         kv_score_buffer[slot, 0] = state
+
+
+# ---------------------------------------------------------------------------
+# Speculative decoding: verify and commit (SPEC section 9).
+# ---------------------------------------------------------------------------
+
+
+def _int32_vector(t, name: str, device, batch: Optional[int] = None) -> int:
+    """Checks a ``[B]`` int32 tensor on ``device`` (``B = batch`` when given); returns B."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"argument '{name}': expected dtype int32, got {t.dtype}")
+    if t.dim() != 1 or (batch is not None and t.shape[0] != batch):
+        want = "[B]" if batch is None else f"[{batch}] like indices"
+        raise ValueError(f"argument '{name}': expected shape {want}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"argument '{name}': expected device {device} like kv_score_buffer, got {t.device}")
+    return t.shape[0]
+
+
+def _check_prefix_states(prefix_states, kv_score_buffer: torch.Tensor, rows: int) -> None:
+    """``prefix_states``: ``[rows, 3D]`` (``rows = B*T``) in the pool's dtype, on the pool's device."""
+    if not isinstance(prefix_states, torch.Tensor):
+        raise TypeError(f"argument 'prefix_states': expected a torch.Tensor, got {type(prefix_states).__name__}")
+    if prefix_states.dtype != kv_score_buffer.dtype:
+        raise TypeError(
+            f"argument 'prefix_states': expected dtype {kv_score_buffer.dtype} like kv_score_buffer "
+            f"(the state dtype), got {prefix_states.dtype}"
+        )
+    width = kv_score_buffer.shape[-1]
+    if prefix_states.dim() != 2 or list(prefix_states.shape) != [rows, width]:
+        raise ValueError(
+            f"argument 'prefix_states': expected shape [B*T, 3D] = [{rows}, {width}], "
+            f"got {list(prefix_states.shape)}"
+        )
+    if prefix_states.device != kv_score_buffer.device:
+        raise ValueError(
+            f"argument 'prefix_states': expected device {kv_score_buffer.device} like kv_score_buffer, "
+            f"got {prefix_states.device}"
+        )
+
+
+def _tokens_per_request(rows: int, batch: int, name: str) -> int:
+    """T = rows / B, which must divide evenly, with 1 <= T <= 16; 0 for an empty batch (which needs 0 rows)."""
+    if batch == 0:
+        if rows:
+            raise ValueError(f"argument '{name}': expected 0 rows for an empty batch (no indices), got {rows}")
+        return 0
+    if rows % batch:
+        raise ValueError(
+            f"argument '{name}': expected B*T rows with B = {batch} requests (indices), got {rows} rows, "
+            f"not a multiple of {batch}"
+        )
+    window = rows // batch
+    if not 1 <= window <= MAX_VERIFY_TOKENS:
+        raise ValueError(
+            f"argument '{name}': expected T = rows / B in [1, {MAX_VERIFY_TOKENS}] tokens per request, got T = {window}"
+        )
+    return window
+
+
+def run_verify(
+    kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, kv_compressed_output: torch.Tensor,
+    ape: torch.Tensor, indices: torch.Tensor, seq_lens: torch.Tensor, prefix_states: torch.Tensor, *,
+    exact_bf16_stores: bool = True,
+) -> None:
+    """A speculative verify step (SPEC section 9): T tokens per request, the pool only read.
+
+    ``B = indices.size(0)`` requests, ``T = kv_score_input.size(0) / B``
+    (``1 <= T <= 16``; ``B = 0`` takes 0 rows and does nothing). Request ``b``'s
+    token ``j`` is row ``b*T + j`` of ``kv_score_input``, at position
+    ``seq_lens[b] - T + j``. The state before token 0 is fresh when
+    ``(seq_lens[b] - T) % 128 == 0``, else the one in slot ``indices[b]``;
+    each token updates it as :func:`run_decode` does (offset 0 starts afresh),
+    in float64, without rounding in between. Then:
+
+    - ``prefix_states[b*T + j]`` = the state after token ``j``, rounded once to
+      the pool's dtype (:func:`state_to_store`; ``exact_bf16_stores`` picks
+      the bfloat16 scheme); after a chunk-closing token it is that full
+      chunk's state;
+    - when token ``j`` closes a chunk (position ``% 128 == 127``),
+      ``kv_compressed_output[b*T + j]`` = the chunk's row; other rows are not
+      written.
+
+    ``kv_score_buffer`` is never written. A request whose slot is outside
+    ``[0, S)`` or whose ``seq_len < T`` is skipped: nothing of it is written.
+    Shapes: buffer ``[S, 1, 3D]`` float32 or bfloat16, input ``[B*T, 2D]``,
+    output ``[B*T, D]``, ape ``[128, D]``, indices and seq_lens ``[B]`` int32,
+    prefix_states ``[B*T, 3D]`` in the buffer's dtype. Wrong arguments raise
+    :class:`TypeError` / :class:`ValueError` naming them, before anything is written.
+    """
+    d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape)
+    exact = _check_flag(exact_bf16_stores, "exact_bf16_stores")
+    device = kv_score_buffer.device
+    batch = _int32_vector(indices, "indices", device)
+    _int32_vector(seq_lens, "seq_lens", device, batch)
+    rows = kv_score_input.shape[0]
+    _check_prefix_states(prefix_states, kv_score_buffer, rows)
+    window = _tokens_per_request(rows, batch, "kv_score_input")
+    num_slots = kv_score_buffer.shape[0]
+    slots, lens = indices.tolist(), seq_lens.tolist()
+    live = [b for b in range(batch) if 0 <= slots[b] < num_slots and lens[b] >= window]
+    if not live:
+        return
+
+    live_t = torch.tensor(live, dtype=torch.int64, device=device)
+    start = torch.tensor([(lens[b] - window) % CHUNK_SIZE for b in live], dtype=torch.int64, device=device)
+    x = kv_score_input.to(torch.float64)
+    ape64 = ape.to(torch.float64)
+    prior = kv_score_buffer[[slots[b] for b in live], 0].to(torch.float64)  # read only when start != 0
+    m, total, kv = prior[:, :d], prior[:, d : 2 * d], prior[:, 2 * d :]
+    states, closed = [], []
+    for j in range(window):
+        offset = (start + j) % CHUNK_SIZE
+        token = x[live_t * window + j]
+        m, total, kv = _add_token(m, total, kv, token[:, d:] + ape64[offset], token[:, :d], offset == 0)
+        states.append(state_to_store(m, total, kv, prefix_states.dtype, exact_bf16_stores=exact))
+        closes = offset == CHUNK_SIZE - 1
+        if bool(closes.any()):
+            closed.append((live_t[closes] * window + j, kv[closes]))
+    for j, state in enumerate(states):
+        prefix_states[live_t * window + j] = state
+    for out_rows, row in closed:
+        kv_compressed_output[out_rows] = row.to(kv_compressed_output.dtype)
+
+
+def run_commit(
+    kv_score_buffer: torch.Tensor,
+    prefix_states: torch.Tensor,
+    indices: torch.Tensor,
+    accept_lens: torch.Tensor,
+) -> None:
+    """Commits each request's accepted prefix (SPEC section 9): slot ``indices[b]`` = ``prefix_states[b*T + a - 1]``.
+
+    ``B = indices.size(0)``, ``T = prefix_states.size(0) / B`` (the checks of
+    :func:`run_verify`), ``a = accept_lens[b]``. The row is copied as it is
+    (bit for bit: it was rounded to the pool's dtype when verify stored it).
+    A request with ``a < 1``, ``a > T`` or a slot outside ``[0, S)`` is
+    skipped. Two requests committing to one slot is the caller's error (which
+    one wins is unspecified). Shapes: buffer ``[S, 1, 3D]`` float32 or
+    bfloat16, prefix_states ``[B*T, 3D]`` in the buffer's dtype, indices and
+    accept_lens ``[B]`` int32.
+    """
+    if not isinstance(kv_score_buffer, torch.Tensor):
+        raise TypeError(f"argument 'kv_score_buffer': expected a torch.Tensor, got {type(kv_score_buffer).__name__}")
+    if kv_score_buffer.dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"argument 'kv_score_buffer': expected dtype float32 or bfloat16 (the state dtype), "
+            f"got {kv_score_buffer.dtype}"
+        )
+    shape = list(kv_score_buffer.shape)
+    if len(shape) != 3 or shape[1] != 1 or shape[2] % 3 or not shape[2]:
+        raise ValueError(f"argument 'kv_score_buffer': expected shape [S, 1, 3D], got {shape}")
+    if not isinstance(prefix_states, torch.Tensor):
+        raise TypeError(f"argument 'prefix_states': expected a torch.Tensor, got {type(prefix_states).__name__}")
+    rows = prefix_states.shape[0] if prefix_states.dim() else 0
+    _check_prefix_states(prefix_states, kv_score_buffer, rows)
+    device = kv_score_buffer.device
+    batch = _int32_vector(indices, "indices", device)
+    _int32_vector(accept_lens, "accept_lens", device, batch)
+    window = _tokens_per_request(rows, batch, "prefix_states")
+    num_slots = shape[0]
+    slots, accepted = indices.tolist(), accept_lens.tolist()
+    keep = [b for b in range(batch) if 1 <= accepted[b] <= window and 0 <= slots[b] < num_slots]
+    if keep:
+        chosen = prefix_states[[b * window + accepted[b] - 1 for b in keep]]
+        kv_score_buffer[[slots[b] for b in keep], 0] = chosen
