@@ -108,12 +108,17 @@ struct CommitParams {
   int32_t num_slots;
 };
 
-/// \brief A state row moves as 16-byte pieces, one per thread.
+/// \brief A state row moves as 16-byte pieces, kPiecesPerThread per thread:
+/// after the dependent loads of `accept_lens` and `indices`, each thread has
+/// that many independent copies in flight.
 template <int64_t kHeadDim, typename StateT>
 struct CommitLayout {
   using Piece = uint4;
   static constexpr uint32_t kPiecesPerRow = 3 * kHeadDim * sizeof(StateT) / sizeof(Piece);
   static_assert(3 * kHeadDim * sizeof(StateT) % sizeof(Piece) == 0);
+  static constexpr uint32_t kPiecesPerThread = 4;
+  static_assert(kPiecesPerRow % kPiecesPerThread == 0);
+  static constexpr uint32_t kThreadsPerRow = kPiecesPerRow / kPiecesPerThread;
   static constexpr uint32_t kThreads = 256;
 };
 
@@ -124,8 +129,9 @@ __global__ void __launch_bounds__(CommitLayout<kHeadDim, StateT>::kThreads)
   using Layout = CommitLayout<kHeadDim, StateT>;
   using Piece = typename Layout::Piece;
   const uint64_t thread = static_cast<uint64_t>(blockIdx.x) * Layout::kThreads + threadIdx.x;
-  const uint64_t request = thread / Layout::kPiecesPerRow;
-  const uint32_t piece = static_cast<uint32_t>(thread % Layout::kPiecesPerRow);
+  const uint64_t request = thread / Layout::kThreadsPerRow;
+  // Thread t of a row copies pieces t, t + kThreadsPerRow, ...: each copy is contiguous across the warp.
+  const uint32_t first_piece = static_cast<uint32_t>(thread % Layout::kThreadsPerRow);
 
   device::PDLWaitPrimary<kUsePDL>();
   if (request < params.batch_size) {
@@ -135,7 +141,11 @@ __global__ void __launch_bounds__(CommitLayout<kHeadDim, StateT>::kThreads)
       const int64_t row = static_cast<int64_t>(request) * params.window + (accepted - 1);
       const auto* from = reinterpret_cast<const Piece*>(params.prefix_states + row * (3 * kHeadDim));
       auto* to = reinterpret_cast<Piece*>(params.state + static_cast<int64_t>(slot) * (3 * kHeadDim));
-      to[piece] = from[piece];
+      Piece pieces[Layout::kPiecesPerThread];
+#pragma unroll
+      for (uint32_t k = 0; k < Layout::kPiecesPerThread; ++k) pieces[k] = from[first_piece + k * Layout::kThreadsPerRow];
+#pragma unroll
+      for (uint32_t k = 0; k < Layout::kPiecesPerThread; ++k) to[first_piece + k * Layout::kThreadsPerRow] = pieces[k];
     }
   }
   device::PDLTriggerSecondary<kUsePDL>();
@@ -221,7 +231,7 @@ struct C128Speculative {
         .num_slots = checked_slots(S.unwrap()),
     };
     using Layout = CommitLayout<kHeadDim, StateT>;
-    const int64_t threads = B.unwrap() * Layout::kPiecesPerRow;
+    const int64_t threads = B.unwrap() * Layout::kThreadsPerRow;
     const auto blocks = (threads + Layout::kThreads - 1) / Layout::kThreads;
     LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap())
         .enable_pdl(kUsePDL)(c128_commit_kernel<kHeadDim, kUsePDL, StateT>, params);
