@@ -96,7 +96,7 @@ def relocate_states(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_i
 
 
 def _compiled(kv_score_buffer: torch.Tensor, ape: torch.Tensor, use_pdl: Optional[bool]) -> Any:
-    """The compiled variant for a call on CUDA tensors, ``None`` for CPU tensors (the reference runs them)."""
+    """What runs a call: the compiled variant for CUDA tensors, the reference module for CPU ones."""
     try:
         head_dim = ape.shape[-1]
     except (AttributeError, IndexError):
@@ -105,7 +105,7 @@ def _compiled(kv_score_buffer: torch.Tensor, ape: torch.Tensor, use_pdl: Optiona
 
 
 def _variant(kv_score_buffer: torch.Tensor, head_dim: int, use_pdl: Optional[bool]) -> Any:
-    """The compiled variant for ``head_dim`` and the pool's dtype, ``None`` for a CPU pool."""
+    """The compiled variant for ``head_dim`` and the pool's dtype; the reference module for a CPU pool."""
     try:
         on_cuda = kv_score_buffer.is_cuda
         state_dtype = STATE_DTYPES.get(kv_score_buffer.dtype)
@@ -114,7 +114,11 @@ def _variant(kv_score_buffer: torch.Tensor, head_dim: int, use_pdl: Optional[boo
     if state_dtype is None:
         raise TypeError(f"argument 'kv_score_buffer': expected dtype float32 or bfloat16 (the state dtype), "
                         f"got {str(kv_score_buffer.dtype).removeprefix('torch.')}")
-    return kernels(head_dim, use_pdl, state_dtype) if on_cuda else None
+    if on_cuda:
+        return kernels(head_dim, use_pdl, state_dtype)
+    from . import reference
+
+    return reference
 
 
 def decode_into(
@@ -133,8 +137,6 @@ def decode_into(
         _debug.check_decode(kv_score_buffer, indices, seq_lens, load_indices)
     if load_indices is not None:
         relocate_states(kv_score_buffer, indices, load_indices)
-    if module is None:
-        from . import reference as module
     module.run_decode(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, None)
 
 
@@ -155,8 +157,6 @@ def prefill_into(
     module = _compiled(kv_score_buffer, ape, use_pdl)
     if _debug.enabled():
         _debug.check_prefill(kv_score_buffer, kv_score_input, indices, compress_plan, write_plan, load_indices)
-    if module is None:
-        from . import reference as module
     run = module.run_prefill_compact if compact else module.run_prefill
     run(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan, load_indices)
 
@@ -173,8 +173,6 @@ def verify_into(
 ) -> None:
     """A verify step into ``out`` and ``prefix_states``, by the compiled kernel (CUDA) or the reference (CPU)."""
     module = _compiled(kv_score_buffer, ape, use_pdl)
-    if module is None:
-        from . import reference as module
     module.run_verify(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, prefix_states)
 
 
@@ -195,6 +193,4 @@ def commit_into(
         raise ValueError(f"argument 'kv_score_buffer': expected shape [slots, 1, 3*D] with D a multiple of 64 in "
                          f"[64, 1024], got {list(kv_score_buffer.shape)}")
     module = _variant(kv_score_buffer, head_dim, use_pdl)
-    if module is None:
-        from . import reference as module
     module.run_commit(kv_score_buffer, prefix_states, indices, accept_lens)
