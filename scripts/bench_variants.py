@@ -1,7 +1,7 @@
 """Time edited copies of the kernel header against the tree (and the reference design) in one process.
 
     python scripts/bench_variants.py [--reference SEED] [--rounds 5] [--decode-only] [--state-dtype bfloat16]
-                                     NAME=PATH ...
+                                     [--per-pass] [--prefill-only] NAME=PATH ...
 
 Each NAME=PATH is a variant of ``csrc/deepseek_v4/c128_online.cuh`` (e.g. the
 committed file, or one with a constant changed); it is built as its own JIT
@@ -58,7 +58,8 @@ def parse_variant(text: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
-def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtype) -> dict[str, dict[str, tuple]]:
+def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtype,
+          per_pass: bool = False) -> dict[str, dict[str, tuple]]:
     """case -> impl -> (call, timed in a graph, launches per graph); states in ``state_dtype``
     (the reference design's in float32)."""
     out: dict[str, dict[str, tuple]] = {}
@@ -77,6 +78,11 @@ def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtyp
             out.setdefault(f"prefill {name}", {})[impl] = (lambda c=call, p=exact: c(p), False, 0)
             out.setdefault(f"prefill {name} in graph", {})[impl] = (lambda c=call, p=exact: c(p), True, 10)
             out.setdefault(f"prefill {name} graph-plan", {})[impl] = (lambda c=call, p=padded: c(p), False, 0)
+            if per_pass:  # each pass alone (the other given an empty plan), kernels only
+                compress_only, write_only = (exact[0], exact[1][:0]), (exact[0][:0], exact[1])
+                out.setdefault(f"prefill {name} compress pass", {})[impl] = (
+                    lambda c=call, p=compress_only: c(p), True, 10)
+                out.setdefault(f"prefill {name} write pass", {})[impl] = (lambda c=call, p=write_only: c(p), True, 10)
     for batch in bench.DECODE_BATCHES:
         args, _ = bench.decode_case(head_dim, batch)
         for impl, m in impls.items():
@@ -94,6 +100,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--state-dtype", choices=list(bench.STATE_DTYPES), default="float32")
+    parser.add_argument("--per-pass", action="store_true", help="also time each prefill pass alone, in graph")
+    parser.add_argument("--prefill-only", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_variants.py needs a CUDA GPU", file=sys.stderr)
@@ -110,7 +118,9 @@ def main() -> int:
         with ThreadPoolExecutor() as pool:  # the builds are nvcc processes: run them side by side
             futures = {name: pool.submit(load) for name, load in loaders.items()}
             impls = {name: future.result() for name, future in futures.items()}
-    timed = cases(impls, args.head_dim, args.decode_only, bench.STATE_DTYPES[args.state_dtype])
+    timed = cases(impls, args.head_dim, args.decode_only, bench.STATE_DTYPES[args.state_dtype], args.per_pass)
+    if args.prefill_only:
+        timed = {case: per_impl for case, per_impl in timed.items() if case.startswith("prefill")}
     timings: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.rounds):
         for case, per_impl in timed.items():
