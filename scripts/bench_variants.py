@@ -3,10 +3,11 @@
     python scripts/bench_variants.py [--reference SEED] [--rounds 5] [--decode-only] [--state-dtype bfloat16]
                                      [--per-pass] [--prefill-only] NAME=PATH ...
 
-Each NAME=PATH is a variant of ``csrc/deepseek_v4/c128_online.cuh`` (e.g. the
-committed file, or one with a constant changed); it is built as its own JIT
-variant beside the tree's other kernel files, against the tree's
-``include/``. Every implementation runs the bench.py
+Each NAME=PATH is a variant of the kernel files in ``csrc/deepseek_v4/``: PATH
+is a folder whose files replace their namesakes (e.g. an edited
+``c128_prefill.cuh``, or ``c128_online.cuh`` with another launch rule). It is
+built as its own JIT variant beside the tree's other kernel files, against the
+tree's ``include/``. Every implementation runs the bench.py
 cases on the same tensors, in rounds that visit every implementation in turn,
 so that drifts of clock and temperature hit all of them alike; the table shows
 the median and the minimum over rounds (us). Prefill cases are timed three
@@ -39,13 +40,12 @@ from flash_compress.c128_online import spec  # noqa: E402
 KERNEL_DIR = ROOT / "csrc" / "deepseek_v4"
 
 
-def load_variant(name: str, header: Path, head_dim: int, source_root: Path, state_dtype: str):
-    """The module built from `header` in place of the tree's c128_online.cuh."""
+def load_variant(name: str, files: Path, head_dim: int, source_root: Path, state_dtype: str):
+    """The module built from the tree's kernel files, those in the folder `files` replacing theirs."""
     folder = source_root / name / "deepseek_v4"
-    folder.mkdir(parents=True)
-    for other in KERNEL_DIR.iterdir():
-        shutil.copy(other, folder / other.name)
-    shutil.copy(header, folder / "c128_online.cuh")
+    shutil.copytree(KERNEL_DIR, folder)
+    for edited in files.iterdir():
+        shutil.copy(edited, folder / edited.name)
     tree = spec(head_dim, True, state_dtype)
     return jit.load(dataclasses.replace(tree, name=f"{tree.name}_variant_{name}",
                                         include_dirs=(folder.parent, *tree.include_dirs[1:])))
@@ -53,8 +53,11 @@ def load_variant(name: str, header: Path, head_dim: int, source_root: Path, stat
 
 def parse_variant(text: str) -> tuple[str, Path]:
     name, sep, path = text.partition("=")
-    if not sep or not name.isidentifier() or not Path(path).is_file():
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH to a kernel header, got {text!r}")
+    if not sep or not name.isidentifier() or not Path(path).is_dir():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH to a folder of kernel files, got {text!r}")
+    unknown = sorted(f.name for f in Path(path).iterdir() if not (KERNEL_DIR / f.name).is_file())
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{path}: expected files named as in {KERNEL_DIR}, got {', '.join(unknown)}")
     return name, Path(path)
 
 
@@ -108,9 +111,9 @@ def main() -> int:
         return 2
     loaders = {"tree": lambda: flash_compress.load_module(args.head_dim, use_pdl=True, state_dtype=args.state_dtype)}
     with tempfile.TemporaryDirectory(prefix="flash-compress-variants-") as source_root:
-        for name, header in args.variants:
-            loaders[name] = lambda n=name, h=header: load_variant(n, h, args.head_dim, Path(source_root),
-                                                                  args.state_dtype)
+        for name, files in args.variants:
+            loaders[name] = lambda n=name, f=files: load_variant(n, f, args.head_dim, Path(source_root),
+                                                                 args.state_dtype)
         if args.reference:
             from reference_design import load_reference
 

@@ -22,7 +22,9 @@ host<->device copies and our kernels; no torch kernel runs to report on):
    prefills and speculative verify + commit steps (chunk boundaries inside the
    window), then verify + commit steps with values only the device sees
    (accepted lengths 0 or above T, slots outside the pool, seq_len < T); the
-   float32 variant runs the same verify steps.
+   float32 variant runs the same verify steps;
+5. a batch just large enough that both prefill passes run 32-channel slices
+   (the middle of the three widths ``C128Online::launch_pass`` picks from).
 
 torch's caching allocator is off in the driver (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``),
 so every tensor is its own cudaMalloc and memcheck sees the exact bounds.
@@ -74,7 +76,7 @@ def _driver(use_pdl: bool) -> None:
     import device_values as dv
     import flash_compress
     from device_runner import DeviceRunner
-    from schedule import ScheduleHarness
+    from schedule import ScheduleHarness, rows_for_slice_width
 
     module = flash_compress.load_module(head_dim=HEAD_DIM, use_pdl=use_pdl)
     run = DeviceRunner(module)  # no guard zones: exact allocation bounds for memcheck
@@ -128,6 +130,15 @@ def _driver(use_pdl: bool) -> None:
         h.check_live_states()
         print(f"{dtype}: {h.stats.prefill_calls} prefill ({h.stats.compact_calls} compact), "
               f"{h.stats.decode_calls} decode calls, verify steps done", flush=True)
+
+    # 5. 32-channel slices: one write row per request, then one compress and one write row each.
+    mid = rows_for_slice_width(HEAD_DIM, torch.cuda.get_device_properties(0).multi_processor_count)["mid"]
+    h = ScheduleHarness(run, head_dim=HEAD_DIM, device="cpu", seed=6, num_slots=mid + 1, max_requests=mid)
+    batch = [h.start_request() for _ in range(mid)]
+    h.prefill_step([(r, 60, None) for r in batch])
+    h.prefill_step([(r, 128, None) for r in batch])
+    h.check_live_states()
+    print(f"32-channel slices: {mid} requests, {h.stats.rows_checked} rows checked", flush=True)
     torch.cuda.synchronize()
     print(DRIVER_OK, flush=True)
 

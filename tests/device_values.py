@@ -3,7 +3,7 @@
 The host cannot check these without a sync, so the kernels skip the row
 (``docs/RELIABILITY.md``). This module states the skip rule in Python
 (:func:`decode_keeps`, :func:`plan_row_keeps`, a line-by-line restatement of
-``c128_decode_kernel`` and ``decode_segment`` in ``c128_online.cuh``),
+``c128_decode_kernel`` in ``c128_decode.cuh`` and ``decode_segment`` in ``c128_prefill.cuh``),
 builds calls that mix good rows with bad ones, and checks a run of such a
 call against the reference run on the good rows alone. Everything here is
 host tensors; run the kernels through ``tests/device_runner.py``.

@@ -156,6 +156,17 @@ def bf16_state_flips(got: torch.Tensor, want: torch.Tensor, what: str) -> int:
     return int(differ.sum())
 
 
+def rows_for_slice_width(head_dim: int, multiprocessors: int) -> dict[str, int]:
+    """Live rows that make one prefill pass run each channel-slice width (``C128Online::launch_pass``:
+    64 channels when the items fill half the resident warps, 32 when they fill 90%, else 16), for a
+    GPU with this many multiprocessors and 16 resident prefill warps on each."""
+    warps = 16 * multiprocessors
+    wide = -(-warps // (2 * (head_dim // 64)))  # the fewest rows that run wide
+    mid = -(-9 * warps // (10 * (head_dim // 32)))  # the fewest that run 32-channel slices
+    assert mid < wide, "this GPU has no row count that runs 32-channel slices"
+    return {"wide": wide, "mid": (mid + wide - 1) // 2, "narrow": mid - 1}
+
+
 def counts_of(result: Any) -> tuple[int, ...]:
     """Normalises a planner result (Python tuple or ``tvm_ffi.Array``) to a tuple of ints."""
     return tuple(int(x) for x in result)

@@ -15,7 +15,7 @@ import torch
 
 from flash_compress import reference as ref
 from flash_compress.plan_rows import CHUNK_SIZE
-from schedule import ScheduleHarness, plan_with, run_schedule
+from schedule import ScheduleHarness, plan_with, rows_for_slice_width, run_schedule
 
 pytestmark = pytest.mark.gpu
 
@@ -57,19 +57,22 @@ def test_prefill_heavy_schedule_with_relocation(gpu, use_pdl, cuda_graph):
 
 
 @pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])
-def test_wide_and_narrow_channel_slices(gpu, use_pdl):
-    """A pass with many plan rows runs 64-channel slices, one with few rows 16-channel slices
-    (``C128Online::launch_pass``; on an H200 the switch is at 132 rows for head_dim 512): a
-    240-request batch runs both passes wide, with and without mid-chunk starts, and a 2-request
-    step runs them narrow."""
+def test_every_channel_slice_width(gpu, use_pdl):
+    """A pass with many plan rows runs 64-channel slices, one with fewer 32-channel slices, one with
+    few 16-channel slices (``C128Online::launch_pass``; on an H200 at head_dim 512: 132 rows and more,
+    119 to 131, fewer): a 240-request batch runs both passes wide, with and without mid-chunk starts,
+    a batch of ``rows_for_slice_width(...)["mid"]`` requests of 128 tokens from mid-chunk (one
+    compress and one write row each) runs both on 32-channel slices, and a 2-request step narrow."""
     module = kernels(512, use_pdl)
+    rows = rows_for_slice_width(512, torch.cuda.get_device_properties(0).multi_processor_count)
     h = ScheduleHarness(module, head_dim=512, device="cuda", seed=11, num_slots=250, max_requests=240)
     batch = [h.start_request() for _ in range(240)]
     h.prefill_step([(r, h.rng.randint(1, 127), None) for r in batch])  # write rows only
     h.prefill_step([(r, h.rng.randint(1, 300), None) for r in batch])  # mid-chunk starts
+    h.prefill_step([(r, 128, None) for r in batch[: rows["mid"]]])
     h.prefill_step([(r, 130, None) for r in batch[:2]])
     h.check_live_states()
-    assert h.stats.prefill_calls == 3 and h.stats.rows_checked > 240
+    assert h.stats.prefill_calls == 4 and h.stats.rows_checked > 240 + rows["mid"]
 
 
 @pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])

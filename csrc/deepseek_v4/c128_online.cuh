@@ -1,437 +1,98 @@
-// DeepSeek-V4's online 128-token KV compressor: decode and two-pass prefill
-// (the planner that feeds prefill is c128_plan.cuh).
-//
-// Every request slot keeps a running softmax state `[max | sum | kv]` of
-// 3*D values (kv is the normalised weighted mean), float32 or bfloat16
-// (docs/SPEC.md section 8): arithmetic is float32 either way, and a bfloat16
-// state is rounded once per store. Channels are independent, so every thread
-// owns 4 consecutive channels and works on float4 vectors.
+// The tvm-ffi exports of DeepSeek-V4's online 128-token KV compressor, one
+// struct per (head_dim, use_pdl, state dtype) variant (docs/SPEC.md sections
+// 3, 9 and 10). Every argument is checked here, before any launch, and every
+// launch shape is chosen here; the kernels know neither. Kernels:
+// c128_decode.cuh, c128_prefill.cuh, c128_verify.cuh. The planner's exports
+// are in c128_plan.cuh.
 #pragma once
 
 #include <dlpack/dlpack.h>
-#include <sgl_kernel/async_copy.cuh>
 #include <sgl_kernel/deepseek_v4/compress.cuh>
-#include "c128_plan.cuh"
-#include "c128_state.cuh"
 #include <sgl_kernel/runtime.cuh>
 #include <sgl_kernel/tensor.h>
-#include <sgl_kernel/tile.cuh>
-#include <sgl_kernel/type.cuh>
-#include <sgl_kernel/utils.cuh>
 #include <sgl_kernel/utils.h>
-#include <sgl_kernel/vec.cuh>
 #include <tvm/ffi/container/tensor.h>
-#include <tvm/ffi/container/tuple.h>
 #include <tvm/ffi/optional.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <limits>
-#include <type_traits>
+
+#include "c128_decode.cuh"
+#include "c128_plan.cuh"
+#include "c128_prefill.cuh"
+#include "c128_state.cuh"
+#include "c128_verify.cuh"
 
 namespace flash_compress::c128 {
 
-using device::compress::kC128ChunkSize;
-using device::compress::kPlanSentinel;
-using device::compress::PrefillPlan;
+/// Most draft tokens per request one verify step takes (reference.MAX_VERIFY_TOKENS).
+inline constexpr int64_t kMaxVerifyTokens = 16;
 
-// ---------------------------------------------------------------------------
-// Decode: one token per request.
-// ---------------------------------------------------------------------------
-
-template <typename StateT>
-struct DecodeParams {
-  StateT* __restrict__ state;              // [num_slots, 3D]
-  const float* __restrict__ input;         // [B, 2D]  | kv | score |
-  float* __restrict__ output;              // [B, D]
-  const float* __restrict__ ape;           // [128, D]
-  const int32_t* __restrict__ indices;     // [B]
-  const int32_t* __restrict__ seq_lens;    // [B]
-  uint32_t batch_size;
-  int32_t num_slots;
-};
-
-template <int64_t kHeadDim>
-struct DecodeLayout {
-  static constexpr uint32_t kLanes = kHeadDim / kVecWidth;  // threads per request
-  /// A block holds blockDim.x / kLanes requests, chosen per launch
-  /// (C128Online::run_decode) up to this many threads.
-  static constexpr uint32_t kMaxThreads = kLanes > 256 ? kLanes : 256;
-  static constexpr uint32_t kMaxRequestsPerBlock = kMaxThreads / kLanes;
-  /// At least a warp per block.
-  static constexpr uint32_t kMinRequestsPerBlock = kLanes >= device::kWarpThreads ? 1 : device::kWarpThreads / kLanes;
-};
-
-/// \brief What one thread reads for one request's 4 channels.
-template <typename StateT>
-struct DecodeLoads {
-  Vec kv, score, bias;
-  SoftmaxState old;
-  StateT* state;  // the request's slot; null if the request is skipped
-  uint32_t pos;   // position of the new token in its chunk
-};
-
-template <int64_t kHeadDim, typename StateT>
-SGL_DEVICE DecodeLoads<StateT> load_decode_request(const DecodeParams<StateT>& params, uint32_t request,
-                                                   uint32_t lane) {
-  DecodeLoads<StateT> in;
-  in.state = nullptr;
-  if (request >= params.batch_size) return in;
-  // The token's row is read before its slot and position are known (and
-  // even if they turn out bad): its loads then overlap theirs instead of
-  // waiting a round trip for them.
-  const float* token = params.input + static_cast<int64_t>(request) * (2 * kHeadDim) + lane * kVecWidth;
-  in.kv.load(token);
-  in.score.load(token + kHeadDim);
-  const int32_t slot = params.indices[request];
-  const int32_t seq_len = params.seq_lens[request];
-  // Values the host cannot check without a sync: such a request is skipped.
-  if (seq_len < 1 || slot < 0 || slot >= params.num_slots) return in;
-  in.pos = static_cast<uint32_t>(seq_len - 1) % kC128ChunkSize;
-  in.state = params.state + static_cast<int64_t>(slot) * (3 * kHeadDim) + lane * kVecWidth;
-  in.bias.load(params.ape + in.pos * kHeadDim + lane * kVecWidth);
-  // The first token of a chunk replaces the state unread.
-  if (in.pos != 0) in.old = load_state(in.state, kHeadDim);
-  return in;
-}
-
-template <int64_t kHeadDim, typename StateT>
-SGL_DEVICE void finish_decode_request(const DecodeParams<StateT>& params, const DecodeLoads<StateT>& in,
-                                      uint32_t request, uint32_t lane) {
-  if (in.state == nullptr) return;
-  Vec s;
-#pragma unroll
-  for (uint32_t c = 0; c < kVecWidth; ++c) s[c] = in.score[c] + in.bias[c];
-  const SoftmaxState next = in.pos == 0 ? first_token_state(s, in.kv) : add_token(in.old, s, in.kv);
-  if (in.pos == kC128ChunkSize - 1) {
-    // The chunk is complete: emit it. The state is left alone because the
-    // next chunk's first token replaces it unread.
-    next.kv.store(params.output + static_cast<int64_t>(request) * kHeadDim + lane * kVecWidth);
-  } else {
-    store_state(in.state, kHeadDim, next);
-  }
-}
-
-template <int64_t kHeadDim, bool kUsePDL, typename StateT>
-__global__ void __launch_bounds__(DecodeLayout<kHeadDim>::kMaxThreads)
-    c128_decode_kernel(const __grid_constant__ DecodeParams<StateT> params) {
-  using Layout = DecodeLayout<kHeadDim>;
-  const uint32_t lane = threadIdx.x % Layout::kLanes;
-  const uint32_t request = blockIdx.x * (blockDim.x / Layout::kLanes) + threadIdx.x / Layout::kLanes;
-
-  device::PDLWaitPrimary<kUsePDL>();
-  // The next kernel may launch at once: its own wait holds it until this
-  // whole grid has completed, so an early trigger only hides its launch.
-  // (Measured: 512-request bf16 decode 2.48 -> 2.09 us, 64-request float32
-  // 1.56 -> 1.40 us, the rest within noise; docs/PERF_LOG.md.)
-  device::PDLTriggerSecondary<kUsePDL>();
-  const DecodeLoads<StateT> loads = load_decode_request<kHeadDim>(params, request, lane);
-  finish_decode_request<kHeadDim>(params, loads, request, lane);
-}
-
-// ---------------------------------------------------------------------------
-// Prefill: two passes over plans of segments (each inside one chunk).
-// ---------------------------------------------------------------------------
-
-template <typename StateT>
-struct PrefillParams {
-  StateT* __restrict__ state;               // [num_slots, 3D]
-  const float* __restrict__ input;          // [num_tokens, 2D]  | kv | score |
-  float* __restrict__ output;               // [num_tokens, D], or [compress rows, D] if compact_output
-  const float* __restrict__ ape;            // [128, D]
-  const int32_t* __restrict__ indices;      // [B] slot each request stores to
-  const int32_t* __restrict__ load_indices; // [B] slot each request reads from
-  const PrefillPlan* __restrict__ plan;     // [num_rows] this pass's plan
-  uint32_t num_rows;
-  /// Rows [0, num_split_rows) are split into channel slices spread over
-  /// warps. Rows past it can only be live in a plan whose CUDA-graph
-  /// padding does not all trail its rows (the planners put it last): each
-  /// costs one lane of one load, and a live one runs all its slices on the
-  /// warp that found it.
-  uint32_t num_split_rows;
-  uint32_t num_tokens;
-  uint32_t batch_size;
-  int32_t num_slots;
-  /// The compress pass writes plan row i's result to output row i
-  /// (run_prefill_compact) instead of row ragged_id.
-  bool compact_output;
-  /// Set on both passes when both run. The compress pass then lets the write
-  /// pass launch as soon as its own PDL wait returns, and the write pass
-  /// waits only before it stores states: whatever it reads was complete
-  /// before the compress pass passed that wait, and the compress pass
-  /// writes nothing the write pass reads. Its blocks thus fill the SMs the
-  /// compress pass's tail leaves idle.
-  bool overlap_passes;
-};
-
-/// \brief Work items of a pass whose rows split into `slices` channel slices.
-template <typename StateT>
-__host__ __device__ inline uint64_t pass_items(const PrefillParams<StateT>& params, uint32_t slices) {
-  return static_cast<uint64_t>(params.num_split_rows) * slices + (params.num_rows - params.num_split_rows);
-}
-
-template <int64_t kHeadDim, uint32_t kSliceDim_>
-struct PrefillLayout {
-  static_assert(kSupportedHeadDim<kHeadDim>, "head_dim must be a multiple of 64 in [64, 1024]");
-  /// A warp computes one slice of channels of one segment: no block-wide
-  /// merge, no barrier, and every warp streams independently. The slice is
-  /// chosen per pass (see C128Online::launch_pass): wide slices when there
-  /// are many items, narrow ones when a pass has few rows, so that its warps
-  /// split each segment's tokens over more lanes and finish in fewer rounds
-  /// of dependent loads.
-  static constexpr uint32_t kSliceDim = kSliceDim_;
-  static_assert(kHeadDim % kSliceDim == 0 && kSliceDim % kVecWidth == 0);
-  static constexpr uint32_t kSlices = kHeadDim / kSliceDim;
-  static constexpr uint32_t kLanes = kSliceDim / kVecWidth;            // lanes per token of a slice
-  static_assert(kLanes <= device::kWarpThreads && device::kWarpThreads % kLanes == 0);
-  static constexpr uint32_t kTokenLanes = device::kWarpThreads / kLanes;  // tokens a warp reads at once
-  /// Small blocks: a warp runs its own items, so a block holds its SM's
-  /// registers until its slowest warp is done. Two warps per block hand them
-  /// to the next pass (or call) almost as soon as each pair finishes.
-  static constexpr uint32_t kThreads = 64;
-  static constexpr uint32_t kWarps = kThreads / device::kWarpThreads;
-  /// Tokens a lane computes on at once (a round).
-  static constexpr uint32_t kBatch = 4;
-  /// Rounds of token loads a lane has issued ahead, the one it computes on
-  /// included: asynchronous copies into shared memory keep them in flight
-  /// without registers, so the stream does not stall while a lane computes.
-  static constexpr uint32_t kStages = 2;
-  /// Dynamic shared memory of a block: every thread's ring of kStages
-  /// rounds of kBatch (kv, score) vectors.
-  static constexpr uint32_t kRingBytes = kStages * kBatch * 2 * sizeof(Vec) * kThreads;
-  /// Keeps registers at or under 128, so that 16 warps fit per SM.
-  static constexpr uint32_t kMinBlocksPerSM = 16 / kWarps;
-};
-
-/// Slice widths a pass may run with, widest first.
+/// Channel slice widths a prefill pass may run with (PrefillLayout), widest first.
 inline constexpr uint32_t kWideSliceDim = 64;
+inline constexpr uint32_t kMidSliceDim = 32;
 inline constexpr uint32_t kNarrowSliceDim = 16;
 /// Rounds of plan decoding (32 items per warp each) a narrow pass may spend
 /// on a padded plan before its extra rounds cost more than they save.
 inline constexpr int64_t kMaxNarrowScanRounds = 4;
 
-/// \brief One (segment, channel slice) a warp has to compute, decoded and
-/// checked from its plan row.
-struct SegmentWork {
-  uint32_t last_row;     // ragged row of the segment's last token
-  uint32_t first_pos;    // position in the chunk of the segment's first token
-  uint32_t window_len;   // tokens in the segment
-  uint32_t first_slice;  // channel slices [first_slice, end_slice)
-  uint32_t end_slice;
-  int32_t prior_slot;   // slot of the chunk's earlier tokens; -1 if the segment starts the chunk
-  int32_t target;       // compress pass: output row; write pass: slot the state goes to
+/// \brief The argument checks the exports share: each binds the sizes and the
+/// device it names, so that a later mismatch names both tensors.
+template <int64_t kHeadDim, typename StateT>
+struct ArgumentChecks {
+  using TensorView = tvm::ffi::TensorView;
+
+  /// \brief `kv_score_buffer`: `[num_slots, 1, 3D]` states; returns the slot count.
+  static int32_t state_pool(const TensorView& pool, host::SymbolicDevice& device) {
+    using namespace host;
+    auto S = SymbolicSize{"num_slots"};
+    TensorMatcher({S, 1, 3 * kHeadDim}).with_dtype<StateT>().with_device(device).with_alignment(16).verify(
+        pool, "kv_score_buffer");
+    CheckAs("ValueError", S.unwrap() <= std::numeric_limits<int32_t>::max(),
+            "argument 'kv_score_buffer': expected at most 2^31-1 slots, got ", S.unwrap());
+    return static_cast<int32_t>(S.unwrap());
+  }
+
+  /// \brief A `[rows, width]` float32 tensor of 16-byte aligned rows.
+  static void float_rows(const TensorView& tensor, host::DimSpec rows, int64_t width,
+                         host::SymbolicDevice& device, const char* name) {
+    host::TensorMatcher({rows, width}).with_dtype<float>().with_device(device).with_alignment(16).verify(tensor, name);
+  }
+
+  /// \brief `kv_score_input` `[rows, 2D]`, `kv_compressed_output` `[output_rows, D]` and `ape` `[128, D]`.
+  static void tokens_output_ape(const TensorView& input, const TensorView& output, const TensorView& ape,
+                                host::SymbolicSize& input_rows, host::SymbolicSize& output_rows,
+                                host::SymbolicDevice& device) {
+    float_rows(input, input_rows, 2 * kHeadDim, device, "kv_score_input");
+    float_rows(output, output_rows, kHeadDim, device, "kv_compressed_output");
+    float_rows(ape, static_cast<int64_t>(kC128ChunkSize), kHeadDim, device, "ape");
+  }
+
+  /// \brief A `[B]` int32 tensor, one value per request.
+  static void per_request(const TensorView& tensor, host::SymbolicSize& batch, host::SymbolicDevice& device,
+                          const char* name) {
+    host::TensorMatcher({batch}).with_dtype<int32_t>().with_device(device).verify(tensor, name);
+  }
+
+  /// \brief What decode and verify share: the pool, `rows` tokens in and out,
+  /// `ape`, and `indices` / `seq_lens` per request; returns the slot count.
+  static int32_t token_step(const TensorView& pool, const TensorView& input, const TensorView& output,
+                            const TensorView& ape, const TensorView& indices, const TensorView& seq_lens,
+                            host::SymbolicSize& rows, host::SymbolicSize& batch, host::SymbolicDevice& device) {
+    const int32_t num_slots = state_pool(pool, device);
+    tokens_output_ape(input, output, ape, rows, rows, device);
+    per_request(indices, batch, device, "indices");
+    per_request(seq_lens, batch, device, "seq_lens");
+    return num_slots;
+  }
+
+  /// \brief `prefix_states`: `[rows, 3D]` states.
+  static void state_rows(const TensorView& tensor, host::SymbolicSize& rows, host::SymbolicDevice& device) {
+    host::TensorMatcher({rows, 3 * kHeadDim}).with_dtype<StateT>().with_device(device).with_alignment(16).verify(
+        tensor, "prefix_states");
+  }
 };
-
-/// \brief Decodes a plan row. Sentinel rows (CUDA-graph padding) and rows the
-/// kernel cannot execute safely (out-of-range rows, slots or request ids,
-/// a segment that leaves its chunk, a row of the other pass) yield false and
-/// are skipped: the host cannot see these values without a sync.
-template <bool kWritePass, typename StateT>
-SGL_DEVICE bool decode_segment(uint32_t row_index, uint32_t first_slice, uint32_t end_slice,
-                               const PrefillParams<StateT>& params, SegmentWork& work) {
-  const PrefillPlan row = params.plan[row_index];
-  if (row.ragged_id == kPlanSentinel) return false;
-  const uint32_t last_pos = row.position % kC128ChunkSize;
-  const bool closes_chunk = last_pos == kC128ChunkSize - 1;
-  if (closes_chunk == kWritePass) return false;
-  if (row.window_len == 0 || row.window_len > last_pos + 1) return false;
-  if (row.ragged_id >= params.num_tokens || row.ragged_id + 1 < row.window_len) return false;
-  if (row.batch_id >= params.batch_size) return false;
-  work.last_row = row.ragged_id;
-  work.first_pos = last_pos + 1 - row.window_len;
-  work.window_len = row.window_len;
-  work.first_slice = first_slice;
-  work.end_slice = end_slice;
-  work.prior_slot = -1;
-  if (work.first_pos != 0) {
-    work.prior_slot = params.load_indices[row.batch_id];
-    if (work.prior_slot < 0 || work.prior_slot >= params.num_slots) return false;
-  }
-  if constexpr (kWritePass) {
-    work.target = params.indices[row.batch_id];
-    if (work.target < 0 || work.target >= params.num_slots) return false;
-  } else {
-    work.target = static_cast<int32_t>(params.compact_output ? row_index : row.ragged_id);
-  }
-  return true;
-}
-
-/// \brief A thread's ring of token rounds in shared memory. Vector (stage, k,
-/// part) of thread i sits at [(stage * kBatch + k) * 2 + part][i], so a warp's
-/// 32 copies of one vector land in 512 contiguous bytes (no bank conflicts).
-template <class Layout>
-struct TokenRing {
-  Vec* thread_base;
-
-  SGL_DEVICE Vec* at(uint32_t round, uint32_t k, uint32_t part) const {
-    return thread_base + (((round % Layout::kStages) * Layout::kBatch + k) * 2 + part) * Layout::kThreads;
-  }
-};
-
-/// \brief Every lane gets lane `src`'s `work`.
-SGL_DEVICE SegmentWork broadcast_work(const SegmentWork& work, uint32_t src) {
-  constexpr uint32_t kAll = 0xffffffffu;
-  return SegmentWork{
-      .last_row = __shfl_sync(kAll, work.last_row, src),
-      .first_pos = __shfl_sync(kAll, work.first_pos, src),
-      .window_len = __shfl_sync(kAll, work.window_len, src),
-      .first_slice = __shfl_sync(kAll, work.first_slice, src),
-      .end_slice = __shfl_sync(kAll, work.end_slice, src),
-      .prior_slot = __shfl_sync(kAll, work.prior_slot, src),
-      .target = __shfl_sync(kAll, work.target, src),
-  };
-}
-
-/// \brief Merges the partials of the warp's token lanes (lanes `kLanes`
-/// apart hold the same channels); every lane gets the union.
-template <uint32_t kLanes>
-SGL_DEVICE void merge_token_lanes(SoftmaxPartial& part) {
-#pragma unroll
-  for (uint32_t offset = kLanes; offset < device::kWarpThreads; offset *= 2) {
-    SoftmaxPartial other;
-#pragma unroll
-    for (uint32_t c = 0; c < kVecWidth; ++c) {
-      other.max[c] = __shfl_xor_sync(0xffffffffu, part.max[c], offset);
-      other.sum[c] = __shfl_xor_sync(0xffffffffu, part.sum[c], offset);
-      other.acc[c] = __shfl_xor_sync(0xffffffffu, part.acc[c], offset);
-    }
-    merge_partial(part, other);  // short segments leave some token lanes empty
-  }
-}
-
-/// \brief Computes one segment slice with one warp and stores it: the
-/// compressed row (compress pass) or the new state (write pass).
-template <class Layout, int64_t kHeadDim, bool kWritePass, bool kUsePDL, typename StateT>
-SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const TokenRing<Layout>& ring,
-                                 const PrefillParams<StateT>& params) {
-  namespace async_copy = device::async_copy;
-  constexpr uint32_t kBatch = Layout::kBatch;
-  constexpr uint32_t kStride = Layout::kTokenLanes;
-  constexpr uint32_t kRoundTokens = kStride * kBatch;
-  const uint32_t lane = threadIdx.x % device::kWarpThreads;
-  const uint32_t token_lane = lane / Layout::kLanes;
-  const uint32_t channel = slice * Layout::kSliceDim + (lane % Layout::kLanes) * kVecWidth;
-
-  // Issued first so that its latency hides under the token loads.
-  SoftmaxState prior;
-  if (work.prior_slot >= 0) {
-    prior = load_state(params.state + static_cast<int64_t>(work.prior_slot) * (3 * kHeadDim) + channel, kHeadDim);
-  }
-
-  // Round r of this lane holds its tokens token_lane + r * kRoundTokens + k * kStride, k < kBatch.
-  const uint32_t rounds =
-      token_lane < work.window_len ? (work.window_len - token_lane + kRoundTokens - 1) / kRoundTokens : 0;
-  const float* first_token = params.input + (static_cast<int64_t>(work.last_row) + 1 - work.window_len) * (2 * kHeadDim) + channel;
-  const float* first_bias = params.ape + static_cast<int64_t>(work.first_pos) * kHeadDim + channel;
-  const auto fetch_tokens = [&](uint32_t round) {
-#pragma unroll
-    for (uint32_t k = 0; k < kBatch; ++k) {
-      const uint32_t t = token_lane + round * kRoundTokens + k * kStride;
-      if (t < work.window_len) {
-        const float* token = first_token + static_cast<int64_t>(t) * (2 * kHeadDim);
-        async_copy::copy_16(ring.at(round, k, 0), token);
-        async_copy::copy_16(ring.at(round, k, 1), token + kHeadDim);
-      }
-    }
-    async_copy::commit();  // empty past the last round, so that every round counts one group
-  };
-  // The bias rows are few and stay in cache; they are loaded one round ahead.
-  const auto load_bias = [&](uint32_t round, Vec(&bias)[kBatch]) {
-#pragma unroll
-    for (uint32_t k = 0; k < kBatch; ++k) {
-      const uint32_t t = token_lane + round * kRoundTokens + k * kStride;
-      if (t < work.window_len) bias[k].load(first_bias + static_cast<int64_t>(t) * kHeadDim);
-    }
-  };
-
-#pragma unroll
-  for (uint32_t round = 0; round + 1 < Layout::kStages; ++round) fetch_tokens(round);
-  Vec bias[kBatch];
-  load_bias(0, bias);
-  SoftmaxPartial part = SoftmaxPartial::empty();
-  for (uint32_t round = 0; round < rounds; ++round) {
-    fetch_tokens(round + Layout::kStages - 1);
-    Vec next_bias[kBatch];
-    load_bias(round + 1, next_bias);
-    async_copy::wait<Layout::kStages - 1>();  // this round's group has landed
-    const uint32_t t0 = token_lane + round * kRoundTokens;
-    const uint32_t count = min(kBatch, (work.window_len - t0 + kStride - 1) / kStride);
-    Vec kv[kBatch], score[kBatch];
-#pragma unroll
-    for (uint32_t k = 0; k < kBatch; ++k) {
-      if (k < count) {
-        kv[k].load(ring.at(round, k, 0));
-        score[k].load(ring.at(round, k, 1));
-#pragma unroll
-        for (uint32_t c = 0; c < kVecWidth; ++c) score[k][c] += bias[k][c];
-      }
-    }
-    absorb_tokens<kBatch>(part, kv, score, count);
-#pragma unroll
-    for (uint32_t k = 0; k < kBatch; ++k) bias[k] = next_bias[k];
-  }
-  if constexpr (kStride > 1) merge_token_lanes<Layout::kLanes>(part);
-  if (token_lane != 0) return;
-
-  const SoftmaxState out = work.prior_slot >= 0 ? finish_state(part, prior) : finish_state(part);
-  if constexpr (kWritePass) {
-    // The compress pass may still be reading this slot (overlap_passes).
-    device::PDLWaitPrimary<kUsePDL>();
-    store_state(params.state + static_cast<int64_t>(work.target) * (3 * kHeadDim) + channel, kHeadDim, out);
-  } else {
-    out.kv.store(params.output + static_cast<int64_t>(work.target) * kHeadDim + channel);
-  }
-}
-
-/// \brief One prefill pass. Work items are (plan row, channel slice) for the
-/// first num_split_rows rows, then one per remaining row; warp w of W owns
-/// items w, w + W, w + 2W, ... Its lanes decode 32 of its plan rows at once
-/// and the warp runs the live ones, so the sentinel rows of a CUDA-graph
-/// plan cost one parallel load per 32 rows, not a dependent chain.
-template <int64_t kHeadDim, uint32_t kSliceDim, bool kWritePass, bool kUsePDL, typename StateT>
-__global__ void __launch_bounds__(PrefillLayout<kHeadDim, kSliceDim>::kThreads,
-                                  PrefillLayout<kHeadDim, kSliceDim>::kMinBlocksPerSM)
-    c128_prefill_kernel(const __grid_constant__ PrefillParams<StateT> params) {
-  using Layout = PrefillLayout<kHeadDim, kSliceDim>;
-  constexpr uint32_t kWarp = device::kWarpThreads;
-  extern __shared__ __align__(16) unsigned char token_ring_bytes[];
-  const TokenRing<Layout> ring{reinterpret_cast<Vec*>(token_ring_bytes) + threadIdx.x};
-  if (!(kWritePass && params.overlap_passes)) device::PDLWaitPrimary<kUsePDL>();
-  if (!kWritePass && params.overlap_passes) device::PDLTriggerSecondary<kUsePDL>();
-  const uint64_t split_items = static_cast<uint64_t>(params.num_split_rows) * Layout::kSlices;
-  const uint64_t num_items = pass_items(params, Layout::kSlices);
-  const uint64_t num_warps = static_cast<uint64_t>(gridDim.x) * Layout::kWarps;
-  const uint32_t lane = threadIdx.x % kWarp;
-  const uint64_t warp = static_cast<uint64_t>(blockIdx.x) * Layout::kWarps + threadIdx.x / kWarp;
-  for (uint64_t base = warp; base < num_items; base += num_warps * kWarp) {
-    const uint64_t item = base + lane * num_warps;
-    SegmentWork work;
-    bool live = false;
-    if (item < split_items) {
-      const auto slice = static_cast<uint32_t>(item % Layout::kSlices);
-      live = decode_segment<kWritePass>(static_cast<uint32_t>(item / Layout::kSlices), slice, slice + 1, params, work);
-    } else if (item < num_items) {
-      live = decode_segment<kWritePass>(static_cast<uint32_t>(params.num_split_rows + (item - split_items)), 0,
-                                        Layout::kSlices, params, work);
-    }
-    for (uint32_t pending = __ballot_sync(0xffffffffu, live); pending != 0; pending &= pending - 1) {
-      const SegmentWork next = broadcast_work(work, __ffs(pending) - 1);
-      for (uint32_t slice = next.first_slice; slice < next.end_slice; ++slice) {
-        compress_segment<Layout, kHeadDim, kWritePass, kUsePDL>(next, slice, ring, params);
-      }
-    }
-  }
-  // Every thread waits before it exits, so that this grid completes only
-  // after the one before it: a kernel that waits on this one then waits on
-  // both passes.
-  device::PDLWaitPrimary<kUsePDL>();
-  device::PDLTriggerSecondary<kUsePDL>();
-}
-
-// ---------------------------------------------------------------------------
-// Kernel exports for one (head_dim, use_pdl, state dtype) variant.
-// ---------------------------------------------------------------------------
 
 template <int64_t kHeadDim, bool kUsePDL, typename StateT>
 struct C128Online {
@@ -439,38 +100,7 @@ struct C128Online {
   static_assert(kSupportedState<StateT>, "the state is float32 or bfloat16");
   static constexpr auto kDecodeKernel = c128_decode_kernel<kHeadDim, kUsePDL, StateT>;
   using PrefillArgs = PrefillParams<StateT>;
-
-  /// \brief Checks the tensors every kernel shares; returns the slot count.
-  static int32_t verify_common(const tvm::ffi::TensorView& kv_score_buffer, const tvm::ffi::TensorView& kv_score_input,
-                               const tvm::ffi::TensorView& kv_compressed_output, const tvm::ffi::TensorView& ape,
-                               host::SymbolicSize& input_rows, host::SymbolicSize& output_rows,
-                               host::SymbolicDevice& device) {
-    using namespace host;
-    auto S = SymbolicSize{"num_slots"};
-    TensorMatcher({S, 1, 3 * kHeadDim})
-        .with_dtype<StateT>()
-        .with_device(device)
-        .with_alignment(16)
-        .verify(kv_score_buffer, "kv_score_buffer");
-    TensorMatcher({input_rows, 2 * kHeadDim})
-        .with_dtype<float>()
-        .with_device(device)
-        .with_alignment(16)
-        .verify(kv_score_input, "kv_score_input");
-    TensorMatcher({output_rows, kHeadDim})
-        .with_dtype<float>()
-        .with_device(device)
-        .with_alignment(16)
-        .verify(kv_compressed_output, "kv_compressed_output");
-    TensorMatcher({static_cast<int64_t>(kC128ChunkSize), kHeadDim})
-        .with_dtype<float>()
-        .with_device(device)
-        .with_alignment(16)
-        .verify(ape, "ape");
-    CheckAs("ValueError", S.unwrap() <= std::numeric_limits<int32_t>::max(),
-            "argument 'kv_score_buffer': expected at most 2^31-1 slots, got ", S.unwrap());
-    return static_cast<int32_t>(S.unwrap());
-  }
+  using Checks = ArgumentChecks<kHeadDim, StateT>;
 
   static void run_decode(tvm::ffi::TensorView kv_score_buffer, tvm::ffi::TensorView kv_score_input,
                          tvm::ffi::TensorView kv_compressed_output, tvm::ffi::TensorView ape,
@@ -481,9 +111,7 @@ struct C128Online {
     auto device = SymbolicDevice{};
     device.set_options<kDLCUDA>();
     const int32_t num_slots =
-        verify_common(kv_score_buffer, kv_score_input, kv_compressed_output, ape, B, B, device);
-    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(indices, "indices");
-    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(seq_lens, "seq_lens");
+        Checks::token_step(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, B, B, device);
 
     const int64_t batch_size = B.unwrap();
     if (batch_size == 0) return;
@@ -527,7 +155,88 @@ struct C128Online {
             load_indices, /*compact_output=*/true);
   }
 
+  /// \brief `run_verify(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens,
+  /// prefix_states)`: docs/SPEC.md section 9.
+  static void run_verify(tvm::ffi::TensorView kv_score_buffer, tvm::ffi::TensorView kv_score_input,
+                         tvm::ffi::TensorView kv_compressed_output, tvm::ffi::TensorView ape,
+                         tvm::ffi::TensorView indices, tvm::ffi::TensorView seq_lens,
+                         tvm::ffi::TensorView prefix_states) {
+    using namespace host;
+    auto B = SymbolicSize{"batch_size"};
+    auto R = SymbolicSize{"num_tokens"};
+    auto device = SymbolicDevice{};
+    device.set_options<kDLCUDA>();
+    const int32_t num_slots =
+        Checks::token_step(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, R, B, device);
+    Checks::state_rows(prefix_states, R, device);
+    const int64_t window = tokens_per_request(R.unwrap(), B.unwrap(), "kv_score_input");
+    if (B.unwrap() == 0) return;
+    const VerifyParams<StateT> params{
+        .state = data_ptr<const StateT>(kv_score_buffer),
+        .input = data_ptr<const float>(kv_score_input),
+        .output = data_ptr<float>(kv_compressed_output),
+        .ape = data_ptr<const float>(ape),
+        .indices = data_ptr<const int32_t>(indices),
+        .seq_lens = data_ptr<const int32_t>(seq_lens),
+        .prefix_states = data_ptr<StateT>(prefix_states),
+        .batch_size = static_cast<uint32_t>(B.unwrap()),
+        .window = static_cast<uint32_t>(window),
+        .num_slots = num_slots,
+    };
+    using Layout = VerifyLayout<kHeadDim>;
+    const auto blocks = (B.unwrap() + Layout::kRequestsPerBlock - 1) / Layout::kRequestsPerBlock;
+    LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap())
+        .enable_pdl(kUsePDL)(c128_verify_kernel<kHeadDim, kUsePDL, StateT>, params);
+  }
+
+  /// \brief `run_commit(kv_score_buffer, prefix_states, indices, accept_lens)`: docs/SPEC.md section 9.
+  static void run_commit(tvm::ffi::TensorView kv_score_buffer, tvm::ffi::TensorView prefix_states,
+                         tvm::ffi::TensorView indices, tvm::ffi::TensorView accept_lens) {
+    using namespace host;
+    auto B = SymbolicSize{"batch_size"};
+    auto R = SymbolicSize{"num_tokens"};
+    auto device = SymbolicDevice{};
+    device.set_options<kDLCUDA>();
+    const int32_t num_slots = Checks::state_pool(kv_score_buffer, device);
+    Checks::state_rows(prefix_states, R, device);
+    Checks::per_request(indices, B, device, "indices");
+    Checks::per_request(accept_lens, B, device, "accept_lens");
+    const int64_t window = tokens_per_request(R.unwrap(), B.unwrap(), "prefix_states");
+    if (B.unwrap() == 0) return;
+    const CommitParams<StateT> params{
+        .state = data_ptr<StateT>(kv_score_buffer),
+        .prefix_states = data_ptr<const StateT>(prefix_states),
+        .indices = data_ptr<const int32_t>(indices),
+        .accept_lens = data_ptr<const int32_t>(accept_lens),
+        .batch_size = static_cast<uint32_t>(B.unwrap()),
+        .window = static_cast<uint32_t>(window),
+        .num_slots = num_slots,
+    };
+    using Layout = CommitLayout<kHeadDim, StateT>;
+    const int64_t threads = B.unwrap() * Layout::kThreadsPerRow;
+    const auto blocks = (threads + Layout::kThreads - 1) / Layout::kThreads;
+    LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap())
+        .enable_pdl(kUsePDL)(c128_commit_kernel<kHeadDim, kUsePDL, StateT>, params);
+  }
+
  private:
+  /// \brief T = rows / B, which must divide evenly, with 1 <= T <= kMaxVerifyTokens (B = 0: no rows).
+  static int64_t tokens_per_request(int64_t rows, int64_t batch, const char* name) {
+    using host::CheckAs;
+    if (batch == 0) {
+      CheckAs("ValueError", rows == 0, "argument '", name, "': expected 0 rows for an empty batch, got ", rows);
+      return 0;
+    }
+    CheckAs("ValueError", rows % batch == 0, "argument '", name, "': expected B*T rows with B = ", batch,
+            " requests (indices), got ", rows, " rows, not a multiple of ", batch);
+    const int64_t window = rows / batch;
+    CheckAs("ValueError", window >= 1 && window <= kMaxVerifyTokens, "argument '", name,
+            "': expected T = rows / B in [1, ", kMaxVerifyTokens, "] tokens per request, got T = ", window);
+    CheckAs("ValueError", batch <= std::numeric_limits<int32_t>::max() / kMaxVerifyTokens, "argument 'indices': ",
+            "expected at most ", std::numeric_limits<int32_t>::max() / kMaxVerifyTokens, " requests, got ", batch);
+    return window;
+  }
+
   static void prefill(const tvm::ffi::TensorView& kv_score_buffer, const tvm::ffi::TensorView& kv_score_input,
                       const tvm::ffi::TensorView& kv_compressed_output, const tvm::ffi::TensorView& ape,
                       const tvm::ffi::TensorView& indices, const tvm::ffi::TensorView& compress_plan,
@@ -552,11 +261,11 @@ struct C128Online {
     // A compact output must have the compress plan's rows: the plan binds the
     // count first, so a mismatch names the output.
     if (compact_output) verify_plan(compress_plan, num_compress, "compress_plan");
-    const int32_t num_slots = verify_common(kv_score_buffer, kv_score_input, kv_compressed_output, ape, N,
-                                            compact_output ? num_compress : N, device);
-    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(indices, "indices");
+    const int32_t num_slots = Checks::state_pool(kv_score_buffer, device);
+    Checks::tokens_output_ape(kv_score_input, kv_compressed_output, ape, N, compact_output ? num_compress : N, device);
+    Checks::per_request(indices, B, device, "indices");
     const auto load_from = load_indices.value_or(indices);
-    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(load_from, "load_indices");
+    Checks::per_request(load_from, B, device, "load_indices");
     verify_plan(compress_plan, num_compress, "compress_plan");
     verify_plan(write_plan, num_write, "write_plan");
     CheckAs("ValueError", N.unwrap() < kPlanSentinel, "argument 'kv_score_input': expected fewer than 2^32-1 rows, got ",
@@ -595,9 +304,12 @@ struct C128Online {
 
   /// \brief Launches one pass over `params.num_rows` plan rows. Wide slices
   /// read whole 256-byte runs per token, but give a pass of few rows few
-  /// items, each a long chain of dependent loads. Narrow slices split each
-  /// segment over 4x the warps and 4x the token lanes. The wide form runs
-  /// whenever its items could fill at least half the resident warps.
+  /// items, each a long chain of dependent loads; each halving of the width
+  /// doubles the items and the token lanes per segment. The wide form runs
+  /// whenever its items could fill at least half the resident warps; below
+  /// that the middle width if its items fill at least 90% of them (about one
+  /// item per warp, 128-byte runs), else the narrow one: a warp that runs
+  /// two items in turn waits out two chains of dependent loads.
   template <bool kWritePass>
   static void launch_pass(PrefillArgs params, DLDevice device) {
     if (params.num_rows == 0) return;
@@ -617,9 +329,16 @@ struct C128Online {
     const int64_t narrow_warps = narrow_blocks * Narrow::kWarps;
     // Every warp decodes 32 items per round, padding rows included.
     const auto narrow_scan_rounds = static_cast<int64_t>(pass_items(params, Narrow::kSlices) / (narrow_warps * 32));
-    if (int64_t{params.num_split_rows} * Wide::kSlices * 2 >= wide_warps ||
-        narrow_scan_rounds > kMaxNarrowScanRounds) {
+    const int64_t rows = params.num_split_rows;
+    if (rows * Wide::kSlices * 2 >= wide_warps || narrow_scan_rounds > kMaxNarrowScanRounds) {
       launch_grid<kWide, Wide>(params, device, wide_blocks);
+      return;
+    }
+    constexpr auto kMid = c128_prefill_kernel<kHeadDim, kMidSliceDim, kWritePass, kUsePDL, StateT>;
+    using Mid = PrefillLayout<kHeadDim, kMidSliceDim>;
+    const int64_t mid_blocks = resident_blocks<kMid, Mid>(device);
+    if (rows * Mid::kSlices * 10 >= mid_blocks * Mid::kWarps * 9) {
+      launch_grid<kMid, Mid>(params, device, mid_blocks);
     } else {
       launch_grid<kNarrow, Narrow>(params, device, narrow_blocks);
     }

@@ -1,8 +1,8 @@
 // The online softmax state of DeepSeek-V4's c128 compressor, 4 channels at a
 // time: partial softmaxes, merging, one-token updates, and loading / storing a
 // slot in its state dtype (float32 or bfloat16, docs/SPEC.md sections 1 and 8).
-// Device helpers only: the kernels that use them are c128_online.cuh
-// (decode, prefill) and c128_verify.cuh (speculative verify and commit).
+// Device helpers only: the kernels that use them are c128_decode.cuh,
+// c128_prefill.cuh and c128_verify.cuh (speculative verify and commit).
 #pragma once
 
 #include <sgl_kernel/type.cuh>

@@ -2,28 +2,20 @@
 // verify T draft tokens per request without touching the pool, recording the
 // state after every token, then commit the state after the accepted prefix.
 // Neither kernel needs the host to know how many tokens were accepted, so a
-// whole verify step can be captured in a CUDA graph.
+// whole verify step can be captured in a CUDA graph. Device code only: the
+// launches and their checks are in c128_online.cuh.
 #pragma once
 
-#include <dlpack/dlpack.h>
 #include <sgl_kernel/deepseek_v4/compress.cuh>
-#include <sgl_kernel/tensor.h>
 #include <sgl_kernel/utils.cuh>
-#include <sgl_kernel/utils.h>
-#include <tvm/ffi/container/tensor.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <limits>
 
 #include "c128_state.cuh"
 
 namespace flash_compress::c128 {
 
 using device::compress::kC128ChunkSize;
-
-/// Most draft tokens per request one verify step takes.
-inline constexpr int64_t kMaxVerifyTokens = 16;
 
 template <typename StateT>
 struct VerifyParams {
@@ -150,116 +142,5 @@ __global__ void __launch_bounds__(CommitLayout<kHeadDim, StateT>::kThreads)
   }
   device::PDLTriggerSecondary<kUsePDL>();
 }
-
-// ---------------------------------------------------------------------------
-// Exports for one (head_dim, use_pdl, state dtype) variant.
-// ---------------------------------------------------------------------------
-
-template <int64_t kHeadDim, bool kUsePDL, typename StateT>
-struct C128Speculative {
-  static_assert(kSupportedHeadDim<kHeadDim>, "head_dim must be a multiple of 64 in [64, 1024]");
-  static_assert(kSupportedState<StateT>, "the state is float32 or bfloat16");
-
-  /// \brief `run_verify(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens,
-  /// prefix_states)`: docs/SPEC.md section 9.
-  static void run_verify(tvm::ffi::TensorView kv_score_buffer, tvm::ffi::TensorView kv_score_input,
-                         tvm::ffi::TensorView kv_compressed_output, tvm::ffi::TensorView ape,
-                         tvm::ffi::TensorView indices, tvm::ffi::TensorView seq_lens,
-                         tvm::ffi::TensorView prefix_states) {
-    using namespace host;
-    auto S = SymbolicSize{"num_slots"};
-    auto B = SymbolicSize{"batch_size"};
-    auto R = SymbolicSize{"num_tokens"};
-    auto device = SymbolicDevice{};
-    device.set_options<kDLCUDA>();
-    TensorMatcher({S, 1, 3 * kHeadDim}).with_dtype<StateT>().with_device(device).with_alignment(16)
-        .verify(kv_score_buffer, "kv_score_buffer");
-    TensorMatcher({R, 2 * kHeadDim}).with_dtype<float>().with_device(device).with_alignment(16)
-        .verify(kv_score_input, "kv_score_input");
-    TensorMatcher({R, kHeadDim}).with_dtype<float>().with_device(device).with_alignment(16)
-        .verify(kv_compressed_output, "kv_compressed_output");
-    TensorMatcher({static_cast<int64_t>(kC128ChunkSize), kHeadDim}).with_dtype<float>().with_device(device)
-        .with_alignment(16).verify(ape, "ape");
-    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(indices, "indices");
-    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(seq_lens, "seq_lens");
-    TensorMatcher({R, 3 * kHeadDim}).with_dtype<StateT>().with_device(device).with_alignment(16)
-        .verify(prefix_states, "prefix_states");
-    const int64_t window = tokens_per_request(R.unwrap(), B.unwrap(), "kv_score_input");
-    if (B.unwrap() == 0) return;
-    const VerifyParams<StateT> params{
-        .state = data_ptr<const StateT>(kv_score_buffer),
-        .input = data_ptr<const float>(kv_score_input),
-        .output = data_ptr<float>(kv_compressed_output),
-        .ape = data_ptr<const float>(ape),
-        .indices = data_ptr<const int32_t>(indices),
-        .seq_lens = data_ptr<const int32_t>(seq_lens),
-        .prefix_states = data_ptr<StateT>(prefix_states),
-        .batch_size = static_cast<uint32_t>(B.unwrap()),
-        .window = static_cast<uint32_t>(window),
-        .num_slots = checked_slots(S.unwrap()),
-    };
-    using Layout = VerifyLayout<kHeadDim>;
-    const auto blocks = (B.unwrap() + Layout::kRequestsPerBlock - 1) / Layout::kRequestsPerBlock;
-    LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap())
-        .enable_pdl(kUsePDL)(c128_verify_kernel<kHeadDim, kUsePDL, StateT>, params);
-  }
-
-  /// \brief `run_commit(kv_score_buffer, prefix_states, indices, accept_lens)`: docs/SPEC.md section 9.
-  static void run_commit(tvm::ffi::TensorView kv_score_buffer, tvm::ffi::TensorView prefix_states,
-                         tvm::ffi::TensorView indices, tvm::ffi::TensorView accept_lens) {
-    using namespace host;
-    auto S = SymbolicSize{"num_slots"};
-    auto B = SymbolicSize{"batch_size"};
-    auto R = SymbolicSize{"num_tokens"};
-    auto device = SymbolicDevice{};
-    device.set_options<kDLCUDA>();
-    TensorMatcher({S, 1, 3 * kHeadDim}).with_dtype<StateT>().with_device(device).with_alignment(16)
-        .verify(kv_score_buffer, "kv_score_buffer");
-    TensorMatcher({R, 3 * kHeadDim}).with_dtype<StateT>().with_device(device).with_alignment(16)
-        .verify(prefix_states, "prefix_states");
-    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(indices, "indices");
-    TensorMatcher({B}).with_dtype<int32_t>().with_device(device).verify(accept_lens, "accept_lens");
-    const int64_t window = tokens_per_request(R.unwrap(), B.unwrap(), "prefix_states");
-    if (B.unwrap() == 0) return;
-    const CommitParams<StateT> params{
-        .state = data_ptr<StateT>(kv_score_buffer),
-        .prefix_states = data_ptr<const StateT>(prefix_states),
-        .indices = data_ptr<const int32_t>(indices),
-        .accept_lens = data_ptr<const int32_t>(accept_lens),
-        .batch_size = static_cast<uint32_t>(B.unwrap()),
-        .window = static_cast<uint32_t>(window),
-        .num_slots = checked_slots(S.unwrap()),
-    };
-    using Layout = CommitLayout<kHeadDim, StateT>;
-    const int64_t threads = B.unwrap() * Layout::kThreadsPerRow;
-    const auto blocks = (threads + Layout::kThreads - 1) / Layout::kThreads;
-    LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap())
-        .enable_pdl(kUsePDL)(c128_commit_kernel<kHeadDim, kUsePDL, StateT>, params);
-  }
-
- private:
-  /// \brief T = rows / B, which must divide evenly, with 1 <= T <= kMaxVerifyTokens (B = 0: no rows).
-  static int64_t tokens_per_request(int64_t rows, int64_t batch, const char* name) {
-    using host::CheckAs;
-    if (batch == 0) {
-      CheckAs("ValueError", rows == 0, "argument '", name, "': expected 0 rows for an empty batch, got ", rows);
-      return 0;
-    }
-    CheckAs("ValueError", rows % batch == 0, "argument '", name, "': expected B*T rows with B = ", batch,
-            " requests (indices), got ", rows, " rows, not a multiple of ", batch);
-    const int64_t window = rows / batch;
-    CheckAs("ValueError", window >= 1 && window <= kMaxVerifyTokens, "argument '", name,
-            "': expected T = rows / B in [1, ", kMaxVerifyTokens, "] tokens per request, got T = ", window);
-    CheckAs("ValueError", batch <= std::numeric_limits<int32_t>::max() / kMaxVerifyTokens, "argument 'indices': ",
-            "expected at most ", std::numeric_limits<int32_t>::max() / kMaxVerifyTokens, " requests, got ", batch);
-    return window;
-  }
-
-  static int32_t checked_slots(int64_t slots) {
-    host::CheckAs("ValueError", slots <= std::numeric_limits<int32_t>::max(),
-                  "argument 'kv_score_buffer': expected at most 2^31-1 slots, got ", slots);
-    return static_cast<int32_t>(slots);
-  }
-};
 
 }  // namespace flash_compress::c128

@@ -24,6 +24,9 @@ STATE_DTYPES = {"float32": ("float", "f32"), "bfloat16": ("device::bf16_t", "bf1
 
 _CUDA_FLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr", "-lineinfo")
 
+#: The kernel exports of ``csrc/deepseek_v4/c128_online.cuh``'s ``C128Online``, in docs/SPEC.md's order.
+_KERNEL_EXPORTS = ("run_decode", "run_prefill", "run_prefill_compact", "run_verify", "run_commit")
+
 
 def _check_head_dim(head_dim: int) -> None:
     if isinstance(head_dim, bool) or not isinstance(head_dim, int):
@@ -58,14 +61,11 @@ def spec(head_dim: int, use_pdl: bool, state_dtype: str = "float32") -> jit.JitS
     _check_head_dim(head_dim)
     _check_state_dtype(state_dtype)
     cxx_state, tag = STATE_DTYPES[state_dtype]
-    args = f"{head_dim}, {str(use_pdl).lower()}, {cxx_state}"
-    kernels, speculative = f"flash_compress::c128::C128Online<{args}>", f"flash_compress::c128::C128Speculative<{args}>"
+    exports = f"flash_compress::c128::C128Online<{head_dim}, {str(use_pdl).lower()}, {cxx_state}>"
     return jit.JitSpec(
         name=f"c128_online_hd{head_dim}_pdl{int(use_pdl)}_{tag}",
-        headers=("deepseek_v4/c128_online.cuh", "deepseek_v4/c128_verify.cuh"),
-        exports={**{name: f"{kernels}::{name}" for name in ("run_decode", "run_prefill", "run_prefill_compact")},
-                 **{name: f"{speculative}::{name}" for name in ("run_verify", "run_commit")},
-                 **_planner_exports(use_pdl)},
+        headers=("deepseek_v4/c128_online.cuh",),
+        exports={**{name: f"{exports}::{name}" for name in _KERNEL_EXPORTS}, **_planner_exports(use_pdl)},
         include_dirs=source_roots(),
         extra_cuda_cflags=_CUDA_FLAGS,
     )

@@ -1,0 +1,311 @@
+// Prefill for the online c128 compressor: many ragged tokens per request, in
+// two passes over plans of segments, each segment inside one chunk (docs/SPEC.md
+// sections 2, 3 and 10). The compress pass emits the rows of the chunks the new
+// tokens close; the write pass stores the state of every request's open chunk.
+// Device code only: the launch, its choice of slice width and its checks are in
+// c128_online.cuh; the planner that writes the plans is c128_plan.cuh.
+#pragma once
+
+#include <sgl_kernel/async_copy.cuh>
+#include <sgl_kernel/deepseek_v4/compress.cuh>
+#include <sgl_kernel/utils.cuh>
+
+#include <cstdint>
+
+#include "c128_state.cuh"
+
+namespace flash_compress::c128 {
+
+using device::compress::kC128ChunkSize;
+using device::compress::kPlanSentinel;
+using device::compress::PrefillPlan;
+
+template <typename StateT>
+struct PrefillParams {
+  StateT* __restrict__ state;               // [num_slots, 3D]
+  const float* __restrict__ input;          // [num_tokens, 2D]  | kv | score |
+  float* __restrict__ output;               // [num_tokens, D], or [compress rows, D] if compact_output
+  const float* __restrict__ ape;            // [128, D]
+  const int32_t* __restrict__ indices;      // [B] slot each request stores to
+  const int32_t* __restrict__ load_indices; // [B] slot each request reads from
+  const PrefillPlan* __restrict__ plan;     // [num_rows] this pass's plan
+  uint32_t num_rows;
+  /// Rows [0, num_split_rows) are split into channel slices spread over
+  /// warps. Rows past it can only be live in a plan whose CUDA-graph
+  /// padding does not all trail its rows (the planners put it last): each
+  /// costs one lane of one load, and a live one runs all its slices on the
+  /// warp that found it.
+  uint32_t num_split_rows;
+  uint32_t num_tokens;
+  uint32_t batch_size;
+  int32_t num_slots;
+  /// The compress pass writes plan row i's result to output row i
+  /// (run_prefill_compact) instead of row ragged_id.
+  bool compact_output;
+  /// Set on both passes when both run. The compress pass then lets the write
+  /// pass launch as soon as its own PDL wait returns, and the write pass
+  /// waits only before it stores states: whatever it reads was complete
+  /// before the compress pass passed that wait, and the compress pass
+  /// writes nothing the write pass reads. Its blocks thus fill the SMs the
+  /// compress pass's tail leaves idle.
+  bool overlap_passes;
+};
+
+/// \brief Work items of a pass whose rows split into `slices` channel slices.
+template <typename StateT>
+__host__ __device__ inline uint64_t pass_items(const PrefillParams<StateT>& params, uint32_t slices) {
+  return static_cast<uint64_t>(params.num_split_rows) * slices + (params.num_rows - params.num_split_rows);
+}
+
+template <int64_t kHeadDim, uint32_t kSliceDim_>
+struct PrefillLayout {
+  static_assert(kSupportedHeadDim<kHeadDim>, "head_dim must be a multiple of 64 in [64, 1024]");
+  /// A warp computes one slice of channels of one segment: no block-wide
+  /// merge, no barrier, and every warp streams independently. The slice is
+  /// chosen per pass (C128Online::launch_pass in c128_online.cuh): wide
+  /// slices when there are many items, narrower ones when a pass has few
+  /// rows, so that its warps split each segment's tokens over more lanes and
+  /// finish in fewer rounds of dependent loads.
+  static constexpr uint32_t kSliceDim = kSliceDim_;
+  static_assert(kHeadDim % kSliceDim == 0 && kSliceDim % kVecWidth == 0);
+  static constexpr uint32_t kSlices = kHeadDim / kSliceDim;
+  static constexpr uint32_t kLanes = kSliceDim / kVecWidth;            // lanes per token of a slice
+  static_assert(kLanes <= device::kWarpThreads && device::kWarpThreads % kLanes == 0);
+  static constexpr uint32_t kTokenLanes = device::kWarpThreads / kLanes;  // tokens a warp reads at once
+  /// Small blocks: a warp runs its own items, so a block holds its SM's
+  /// registers until its slowest warp is done. Two warps per block hand them
+  /// to the next pass (or call) almost as soon as each pair finishes.
+  static constexpr uint32_t kThreads = 64;
+  static constexpr uint32_t kWarps = kThreads / device::kWarpThreads;
+  /// Tokens a lane computes on at once (a round).
+  static constexpr uint32_t kBatch = 4;
+  /// Rounds of token loads a lane has issued ahead, the one it computes on
+  /// included: asynchronous copies into shared memory keep them in flight
+  /// without registers, so the stream does not stall while a lane computes.
+  static constexpr uint32_t kStages = 2;
+  /// Dynamic shared memory of a block: every thread's ring of kStages
+  /// rounds of kBatch (kv, score) vectors.
+  static constexpr uint32_t kRingBytes = kStages * kBatch * 2 * sizeof(Vec) * kThreads;
+  /// Keeps registers at or under 128, so that 16 warps fit per SM.
+  static constexpr uint32_t kMinBlocksPerSM = 16 / kWarps;
+};
+
+/// \brief One (segment, channel slice) a warp has to compute, decoded and
+/// checked from its plan row.
+struct SegmentWork {
+  uint32_t last_row;     // ragged row of the segment's last token
+  uint32_t first_pos;    // position in the chunk of the segment's first token
+  uint32_t window_len;   // tokens in the segment
+  uint32_t first_slice;  // channel slices [first_slice, end_slice)
+  uint32_t end_slice;
+  int32_t prior_slot;   // slot of the chunk's earlier tokens; -1 if the segment starts the chunk
+  int32_t target;       // compress pass: output row; write pass: slot the state goes to
+};
+
+/// \brief Decodes a plan row. Sentinel rows (CUDA-graph padding) and rows the
+/// kernel cannot execute safely (out-of-range rows, slots or request ids,
+/// a segment that leaves its chunk, a row of the other pass) yield false and
+/// are skipped: the host cannot see these values without a sync.
+template <bool kWritePass, typename StateT>
+SGL_DEVICE bool decode_segment(uint32_t row_index, uint32_t first_slice, uint32_t end_slice,
+                               const PrefillParams<StateT>& params, SegmentWork& work) {
+  const PrefillPlan row = params.plan[row_index];
+  if (row.ragged_id == kPlanSentinel) return false;
+  const uint32_t last_pos = row.position % kC128ChunkSize;
+  const bool closes_chunk = last_pos == kC128ChunkSize - 1;
+  if (closes_chunk == kWritePass) return false;
+  if (row.window_len == 0 || row.window_len > last_pos + 1) return false;
+  if (row.ragged_id >= params.num_tokens || row.ragged_id + 1 < row.window_len) return false;
+  if (row.batch_id >= params.batch_size) return false;
+  work.last_row = row.ragged_id;
+  work.first_pos = last_pos + 1 - row.window_len;
+  work.window_len = row.window_len;
+  work.first_slice = first_slice;
+  work.end_slice = end_slice;
+  work.prior_slot = -1;
+  if (work.first_pos != 0) {
+    work.prior_slot = params.load_indices[row.batch_id];
+    if (work.prior_slot < 0 || work.prior_slot >= params.num_slots) return false;
+  }
+  if constexpr (kWritePass) {
+    work.target = params.indices[row.batch_id];
+    if (work.target < 0 || work.target >= params.num_slots) return false;
+  } else {
+    work.target = static_cast<int32_t>(params.compact_output ? row_index : row.ragged_id);
+  }
+  return true;
+}
+
+/// \brief A thread's ring of token rounds in shared memory. Vector (stage, k,
+/// part) of thread i sits at [(stage * kBatch + k) * 2 + part][i], so a warp's
+/// 32 copies of one vector land in 512 contiguous bytes (no bank conflicts).
+template <class Layout>
+struct TokenRing {
+  Vec* thread_base;
+
+  SGL_DEVICE Vec* at(uint32_t round, uint32_t k, uint32_t part) const {
+    return thread_base + (((round % Layout::kStages) * Layout::kBatch + k) * 2 + part) * Layout::kThreads;
+  }
+};
+
+/// \brief Every lane gets lane `src`'s `work`.
+SGL_DEVICE SegmentWork broadcast_work(const SegmentWork& work, uint32_t src) {
+  constexpr uint32_t kAll = 0xffffffffu;
+  return SegmentWork{
+      .last_row = __shfl_sync(kAll, work.last_row, src),
+      .first_pos = __shfl_sync(kAll, work.first_pos, src),
+      .window_len = __shfl_sync(kAll, work.window_len, src),
+      .first_slice = __shfl_sync(kAll, work.first_slice, src),
+      .end_slice = __shfl_sync(kAll, work.end_slice, src),
+      .prior_slot = __shfl_sync(kAll, work.prior_slot, src),
+      .target = __shfl_sync(kAll, work.target, src),
+  };
+}
+
+/// \brief Merges the partials of the warp's token lanes (lanes `kLanes`
+/// apart hold the same channels); every lane gets the union.
+template <uint32_t kLanes>
+SGL_DEVICE void merge_token_lanes(SoftmaxPartial& part) {
+#pragma unroll
+  for (uint32_t offset = kLanes; offset < device::kWarpThreads; offset *= 2) {
+    SoftmaxPartial other;
+#pragma unroll
+    for (uint32_t c = 0; c < kVecWidth; ++c) {
+      other.max[c] = __shfl_xor_sync(0xffffffffu, part.max[c], offset);
+      other.sum[c] = __shfl_xor_sync(0xffffffffu, part.sum[c], offset);
+      other.acc[c] = __shfl_xor_sync(0xffffffffu, part.acc[c], offset);
+    }
+    merge_partial(part, other);  // short segments leave some token lanes empty
+  }
+}
+
+/// \brief Computes one segment slice with one warp and stores it: the
+/// compressed row (compress pass) or the new state (write pass).
+template <class Layout, int64_t kHeadDim, bool kWritePass, bool kUsePDL, typename StateT>
+SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const TokenRing<Layout>& ring,
+                                 const PrefillParams<StateT>& params) {
+  namespace async_copy = device::async_copy;
+  constexpr uint32_t kBatch = Layout::kBatch;
+  constexpr uint32_t kStride = Layout::kTokenLanes;
+  constexpr uint32_t kRoundTokens = kStride * kBatch;
+  const uint32_t lane = threadIdx.x % device::kWarpThreads;
+  const uint32_t token_lane = lane / Layout::kLanes;
+  const uint32_t channel = slice * Layout::kSliceDim + (lane % Layout::kLanes) * kVecWidth;
+
+  // Issued first so that its latency hides under the token loads.
+  SoftmaxState prior;
+  if (work.prior_slot >= 0) {
+    prior = load_state(params.state + static_cast<int64_t>(work.prior_slot) * (3 * kHeadDim) + channel, kHeadDim);
+  }
+
+  // Round r of this lane holds its tokens token_lane + r * kRoundTokens + k * kStride, k < kBatch.
+  const uint32_t rounds =
+      token_lane < work.window_len ? (work.window_len - token_lane + kRoundTokens - 1) / kRoundTokens : 0;
+  const float* first_token = params.input + (static_cast<int64_t>(work.last_row) + 1 - work.window_len) * (2 * kHeadDim) + channel;
+  const float* first_bias = params.ape + static_cast<int64_t>(work.first_pos) * kHeadDim + channel;
+  const auto fetch_tokens = [&](uint32_t round) {
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+      const uint32_t t = token_lane + round * kRoundTokens + k * kStride;
+      if (t < work.window_len) {
+        const float* token = first_token + static_cast<int64_t>(t) * (2 * kHeadDim);
+        async_copy::copy_16(ring.at(round, k, 0), token);
+        async_copy::copy_16(ring.at(round, k, 1), token + kHeadDim);
+      }
+    }
+    async_copy::commit();  // empty past the last round, so that every round counts one group
+  };
+  // The bias rows are few and stay in cache; they are loaded one round ahead.
+  const auto load_bias = [&](uint32_t round, Vec(&bias)[kBatch]) {
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+      const uint32_t t = token_lane + round * kRoundTokens + k * kStride;
+      if (t < work.window_len) bias[k].load(first_bias + static_cast<int64_t>(t) * kHeadDim);
+    }
+  };
+
+#pragma unroll
+  for (uint32_t round = 0; round + 1 < Layout::kStages; ++round) fetch_tokens(round);
+  Vec bias[kBatch];
+  load_bias(0, bias);
+  SoftmaxPartial part = SoftmaxPartial::empty();
+  for (uint32_t round = 0; round < rounds; ++round) {
+    fetch_tokens(round + Layout::kStages - 1);
+    Vec next_bias[kBatch];
+    load_bias(round + 1, next_bias);
+    async_copy::wait<Layout::kStages - 1>();  // this round's group has landed
+    const uint32_t t0 = token_lane + round * kRoundTokens;
+    const uint32_t count = min(kBatch, (work.window_len - t0 + kStride - 1) / kStride);
+    Vec kv[kBatch], score[kBatch];
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+      if (k < count) {
+        kv[k].load(ring.at(round, k, 0));
+        score[k].load(ring.at(round, k, 1));
+#pragma unroll
+        for (uint32_t c = 0; c < kVecWidth; ++c) score[k][c] += bias[k][c];
+      }
+    }
+    absorb_tokens<kBatch>(part, kv, score, count);
+#pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) bias[k] = next_bias[k];
+  }
+  if constexpr (kStride > 1) merge_token_lanes<Layout::kLanes>(part);
+  if (token_lane != 0) return;
+
+  const SoftmaxState out = work.prior_slot >= 0 ? finish_state(part, prior) : finish_state(part);
+  if constexpr (kWritePass) {
+    // The compress pass may still be reading this slot (overlap_passes).
+    device::PDLWaitPrimary<kUsePDL>();
+    store_state(params.state + static_cast<int64_t>(work.target) * (3 * kHeadDim) + channel, kHeadDim, out);
+  } else {
+    out.kv.store(params.output + static_cast<int64_t>(work.target) * kHeadDim + channel);
+  }
+}
+
+/// \brief One prefill pass. Work items are (plan row, channel slice) for the
+/// first num_split_rows rows, then one per remaining row; warp w of W owns
+/// items w, w + W, w + 2W, ... Its lanes decode 32 of its plan rows at once
+/// and the warp runs the live ones, so the sentinel rows of a CUDA-graph
+/// plan cost one parallel load per 32 rows, not a dependent chain.
+template <int64_t kHeadDim, uint32_t kSliceDim, bool kWritePass, bool kUsePDL, typename StateT>
+__global__ void __launch_bounds__(PrefillLayout<kHeadDim, kSliceDim>::kThreads,
+                                  PrefillLayout<kHeadDim, kSliceDim>::kMinBlocksPerSM)
+    c128_prefill_kernel(const __grid_constant__ PrefillParams<StateT> params) {
+  using Layout = PrefillLayout<kHeadDim, kSliceDim>;
+  constexpr uint32_t kWarp = device::kWarpThreads;
+  extern __shared__ __align__(16) unsigned char token_ring_bytes[];
+  const TokenRing<Layout> ring{reinterpret_cast<Vec*>(token_ring_bytes) + threadIdx.x};
+  if (!(kWritePass && params.overlap_passes)) device::PDLWaitPrimary<kUsePDL>();
+  if (!kWritePass && params.overlap_passes) device::PDLTriggerSecondary<kUsePDL>();
+  const uint64_t split_items = static_cast<uint64_t>(params.num_split_rows) * Layout::kSlices;
+  const uint64_t num_items = pass_items(params, Layout::kSlices);
+  const uint64_t num_warps = static_cast<uint64_t>(gridDim.x) * Layout::kWarps;
+  const uint32_t lane = threadIdx.x % kWarp;
+  const uint64_t warp = static_cast<uint64_t>(blockIdx.x) * Layout::kWarps + threadIdx.x / kWarp;
+  for (uint64_t base = warp; base < num_items; base += num_warps * kWarp) {
+    const uint64_t item = base + lane * num_warps;
+    SegmentWork work;
+    bool live = false;
+    if (item < split_items) {
+      const auto slice = static_cast<uint32_t>(item % Layout::kSlices);
+      live = decode_segment<kWritePass>(static_cast<uint32_t>(item / Layout::kSlices), slice, slice + 1, params, work);
+    } else if (item < num_items) {
+      live = decode_segment<kWritePass>(static_cast<uint32_t>(params.num_split_rows + (item - split_items)), 0,
+                                        Layout::kSlices, params, work);
+    }
+    for (uint32_t pending = __ballot_sync(0xffffffffu, live); pending != 0; pending &= pending - 1) {
+      const SegmentWork next = broadcast_work(work, __ffs(pending) - 1);
+      for (uint32_t slice = next.first_slice; slice < next.end_slice; ++slice) {
+        compress_segment<Layout, kHeadDim, kWritePass, kUsePDL>(next, slice, ring, params);
+      }
+    }
+  }
+  // Every thread waits before it exits, so that this grid completes only
+  // after the one before it: a kernel that waits on this one then waits on
+  // both passes.
+  device::PDLWaitPrimary<kUsePDL>();
+  device::PDLTriggerSecondary<kUsePDL>();
+}
+
+}  // namespace flash_compress::c128
