@@ -14,6 +14,7 @@ import runpy
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ def test_plan_prefill_rejects_bad_lengths_naming_the_argument(seq, extend, kwarg
 
 
 def test_plan_prefill_rejects_bad_tensors_naming_the_argument():
-    with pytest.raises(TypeError, match="'seq_lens'.*int32 or int64.*float32"):
+    with pytest.raises(TypeError, match=r"'seq_lens'.*int64 \(or int32\).*float32"):
         fc.plan_prefill(torch.tensor([5.0]), torch.tensor([5]), device="cpu")
     with pytest.raises(TypeError, match="'extend_lens'.*torch.Tensor.*list"):
         fc.plan_prefill(torch.tensor([5]), [5], device="cpu")
@@ -398,21 +399,14 @@ def test_prefill_step_checks_hold_on_a_harness_with_cuda_graph_plans():
     assert h.stats.cuda_graph_plans == 2
 
 
-def test_demo_reports_whether_the_load_built_or_hit_the_cache():
-    import logging
+def test_demo_reports_whether_the_load_built_or_hit_the_cache(monkeypatch):
+    from flash_compress import demo, jit
 
-    from flash_compress.demo import _load_with_progress
-
-    def compiling_loader(head_dim):
-        logging.getLogger("flash_compress").info("JIT compiled %s in %.1f s", f"hd{head_dim}", 1.0)
-        return "module"
-
-    def cached_loader(head_dim):
-        logging.getLogger("flash_compress").info("JIT cache hit: %s", f"hd{head_dim}")
-        return "module"
-
-    assert _load_with_progress(compiling_loader, 64)[::2] == ("module", "built")
-    assert _load_with_progress(cached_loader, 64)[::2] == ("module", "cache hit")
+    for status, said in (("built", "built"), ("cached", "cache hit")):
+        monkeypatch.setattr(jit, "ensure_built", lambda spec, arch_list, s=status: SimpleNamespace(status=s))
+        monkeypatch.setattr(jit, "load", lambda spec, arch_list: f"module {spec.name}")
+        module, _, how = demo._load_kernels(64)
+        assert module.startswith("module c128_online_hd64_") and how == said
 
 
 def test_cli_help_lists_every_command(capsys):

@@ -10,12 +10,7 @@ runs the reference on the CPU, and says what it skipped.
 
 from __future__ import annotations
 
-import logging
-import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,68 +26,18 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
-@contextmanager
-def _progress(label: str, *, every_s: float = 0.5) -> Iterator[None]:
-    """Shows ``label`` and the elapsed seconds while the body runs (a compile takes about a minute).
+def _load_kernels(head_dim: int):
+    """Builds the variant on a cache miss (the loader reports the compile), then loads it;
+    returns ``(module, seconds, "built" or "cache hit")``."""
+    from . import jit
+    from .c128_online import resolve_use_pdl, spec
 
-    On a terminal one line is redrawn in place; elsewhere (CI logs) a line is
-    printed every 10 s. Nothing shows when the body is done within ``every_s``.
-    """
-    done = threading.Event()
+    arch = jit.cuda_arch_list()
+    variant = spec(head_dim, resolve_use_pdl(None, arch))
     started = time.perf_counter()
-    tty = sys.stdout.isatty()
-
-    def tick() -> None:
-        spinner, shown, last_line = "|/-\\", False, 0.0
-        while not done.wait(every_s):
-            elapsed = time.perf_counter() - started
-            if tty:
-                sys.stdout.write(f"\r  {spinner[int(elapsed / every_s) % 4]} {label} {elapsed:4.0f} s")
-                sys.stdout.flush()
-                shown = True
-            elif elapsed - last_line >= 10:
-                _say(f"  ... {label} {elapsed:.0f} s")
-                last_line = elapsed
-        if shown:
-            sys.stdout.write("\r" + " " * (len(label) + 14) + "\r")
-            sys.stdout.flush()
-
-    thread = threading.Thread(target=tick, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-
-
-class _BuildWatcher(logging.Handler):
-    """Notes whether the loader's INFO line for this load said it compiled or found the cache."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.compiled = False
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.compiled = self.compiled or record.getMessage().startswith("JIT compiled")
-
-
-def _load_with_progress(load_module, head_dim: int):
-    """Loads the variant behind a progress line; returns ``(module, seconds, "built" or "cache hit")``."""
-    logger = logging.getLogger("flash_compress")
-    watcher = _BuildWatcher()
-    level = logger.level
-    logger.addHandler(watcher)
-    if logger.getEffectiveLevel() > logging.INFO:
-        logger.setLevel(logging.INFO)  # the watcher needs the loader's INFO line
-    started = time.perf_counter()
-    try:
-        with _progress("loading kernels (compiling on a cache miss)"):
-            module = load_module(head_dim)
-    finally:
-        logger.removeHandler(watcher)
-        logger.setLevel(level)
-    return module, time.perf_counter() - started, "built" if watcher.compiled else "cache hit"
+    outcome = jit.ensure_built(variant, arch_list=arch)
+    module = jit.load(variant, arch_list=arch)
+    return module, time.perf_counter() - started, "built" if outcome.status == "built" else "cache hit"
 
 
 @dataclass
@@ -206,7 +151,7 @@ def run_demo(*, batch: int = 8, prefill_len: int = 4096, decode_steps: int = 300
     import torch
 
     from . import reference
-    from .c128_online import load_module, resolve_use_pdl
+    from .c128_online import resolve_use_pdl
     from .jit import cuda_arch_list, find_nvcc
 
     has_gpu = torch.cuda.is_available()
@@ -224,7 +169,7 @@ def run_demo(*, batch: int = 8, prefill_len: int = 4096, decode_steps: int = 300
         arch = cuda_arch_list()
         _say(f"  variant: head_dim={HEAD_DIM} use_pdl={resolve_use_pdl(None, arch)} arch={' '.join(arch)}"
              " (first use compiles, about a minute; later runs load from the cache)")
-        module, seconds, how = _load_with_progress(load_module, HEAD_DIM)
+        module, seconds, how = _load_kernels(HEAD_DIM)
         _say(f"  kernels: {how}, ready in {seconds:.2f} s")
     else:
         skipped.append("kernel build and compiled planner (no CUDA toolkit found)")
