@@ -29,11 +29,10 @@ import torch
 
 from . import _debug, _dispatch
 from . import ops as _ops  # registers torch.ops.flash_compress.{decode,prefill}
+from .host_planner import check_lengths
 from .plan_rows import ROW_BYTES
 
 __all__ = ["PrefillPlan", "commit", "decode", "plan_prefill", "prefill", "verify"]
-
-_LENGTH_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +56,6 @@ class PrefillPlan:
     num_write: int
     use_cuda_graph: bool
     counts: Optional[torch.Tensor] = None
-
-
-def _check_lengths(lengths: torch.Tensor, name: str) -> None:
-    if not isinstance(lengths, torch.Tensor):
-        raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(lengths).__name__}")
-    if lengths.dtype not in _LENGTH_DTYPES:
-        raise TypeError(f"argument '{name}': expected dtype int32 or int64, got {lengths.dtype}")
-    if lengths.dim() != 1:
-        raise ValueError(f"argument '{name}': expected a 1-D tensor [B], got shape {list(lengths.shape)}")
 
 
 def plan_prefill(
@@ -98,8 +88,8 @@ def plan_prefill(
         TypeError / ValueError: naming the argument, for wrong tensors or lengths
             (``not 0 < extend_len <= seq_len``, ``num_tokens != sum(extend_lens)``).
     """
-    _check_lengths(seq_lens, "seq_lens")
-    _check_lengths(extend_lens, "extend_lens")
+    check_lengths(seq_lens, "seq_lens")
+    check_lengths(extend_lens, "extend_lens")
     if seq_lens.shape != extend_lens.shape:
         raise ValueError(
             f"argument 'seq_lens': expected shape {list(extend_lens.shape)} like extend_lens, "

@@ -23,6 +23,7 @@ __all__ = [
     "PADDING_BYTE",
     "PADDING_ROW",
     "ROW_BYTES",
+    "check_plan_tensor",
     "check_rows",
     "decode_rows",
     "encode_rows",
@@ -58,6 +59,18 @@ def is_plan_tensor(plan: object) -> bool:
         and plan.dim() == 2
         and plan.shape[1] == ROW_BYTES
     )
+
+
+def check_plan_tensor(plan: object, name: str) -> None:
+    """Raises TypeError (not a tensor, not uint8) or ValueError (shape) naming argument ``name``
+    unless ``plan`` is a plan tensor (:func:`is_plan_tensor`)."""
+    if is_plan_tensor(plan):
+        return
+    if not isinstance(plan, torch.Tensor):
+        raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(plan).__name__}")
+    if plan.dtype != torch.uint8:
+        raise TypeError(f"argument '{name}': expected dtype uint8, got {plan.dtype}")
+    raise ValueError(f"argument '{name}': expected shape [M, {ROW_BYTES}], got {list(plan.shape)}")
 
 
 def decode_rows(plan: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ the compiled tvm-ffi module (``flash_compress.load_module``):
 - :func:`run_prefill_compact` is the same prefill with one output row per
   compress-plan row instead of one per token (SPEC section 10);
 - :func:`plan_online_prefill` cuts a prefill into per-chunk segments and
-  writes the 16-byte plan rows (their format and rules are
-  :mod:`flash_compress.plan_rows`);
+  writes the 16-byte plan rows (the planner is :mod:`flash_compress.host_planner`,
+  the row format :mod:`flash_compress.plan_rows`);
 - :func:`run_verify` and :func:`run_commit` are speculative decoding (SPEC
   section 9): the state after each of T tokens per request, without touching
   the pool, then the state after the accepted prefix into the slot.
@@ -56,17 +56,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .plan_rows import (
-    CHUNK_SIZE,
-    MAX_LENGTH,
-    PADDING_BYTE,
-    PADDING_ROW,
-    ROW_BYTES,
-    check_rows,
-    decode_rows,
-    encode_rows,
-    is_plan_tensor,
-)
+from .host_planner import plan_online_prefill, plan_segments
+from .plan_rows import CHUNK_SIZE, PADDING_ROW, check_plan_tensor, check_rows, decode_rows
 
 __all__ = [
     "MAX_VERIFY_TOKENS",
@@ -81,150 +72,11 @@ __all__ = [
     "state_to_store",
 ]
 
-_LENGTH_DTYPES = (torch.int64, torch.int32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 #: The dtypes a state pool (``kv_score_buffer``) may have (SPEC section 8).
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 #: Most tokens per request one verify step takes (SPEC section 9).
 MAX_VERIFY_TOKENS = 16
-
-
-# ---------------------------------------------------------------------------
-# Planner.
-# ---------------------------------------------------------------------------
-
-
-def plan_segments(extend_lens, seq_lens) -> tuple[np.ndarray, np.ndarray]:
-    """Cuts a prefill into segments: returns ``(compress_rows, write_rows)`` as ``[n, 4]`` int64 arrays.
-
-    ``extend_lens`` and ``seq_lens`` are sequences of ints (already validated).
-    Request ``b``'s new tokens are positions ``seq_len - extend_len .. seq_len - 1``
-    and ragged rows ``sum(extend_lens[:b]) ..``. They are cut at every chunk
-    boundary; a segment whose last token closes a chunk (``position % 128 == 127``)
-    is a compress row, the trailing partial segment (if any) a write row. Rows
-    are ``(ragged_id, batch_id, position, window_len)`` of the segment's LAST
-    token, requests in order and, within a request, segments in position order.
-    """
-    compress: list[np.ndarray] = []
-    write: list[tuple[int, int, int, int]] = []
-    ragged_start = 0
-    for batch, (extend, seq) in enumerate(zip(extend_lens, seq_lens)):
-        extend, seq = int(extend), int(seq)
-        prefix = seq - extend  # position of the request's first new token
-        # Positions in [prefix, seq) that close a chunk: p = 128k + 127.
-        first_close = prefix + (CHUNK_SIZE - 1 - prefix % CHUNK_SIZE)
-        closes = np.arange(first_close, seq, CHUNK_SIZE, dtype=np.int64)
-        if closes.size:
-            ragged = ragged_start + (closes - prefix)
-            window = np.minimum(CHUNK_SIZE, closes - prefix + 1)
-            compress.append(np.stack([ragged, np.full_like(closes, batch), closes, window], axis=1))
-        last = seq - 1
-        if last % CHUNK_SIZE != CHUNK_SIZE - 1:
-            window = min(last % CHUNK_SIZE + 1, extend)
-            write.append((ragged_start + extend - 1, batch, last, window))
-        ragged_start += extend
-    compress_rows = np.concatenate(compress) if compress else np.zeros((0, 4), dtype=np.int64)
-    write_rows = np.asarray(write, dtype=np.int64).reshape(-1, 4)
-    return compress_rows, write_rows
-
-
-def _check_plan_tensor(plan, name: str) -> None:
-    if is_plan_tensor(plan):
-        return
-    if not isinstance(plan, torch.Tensor):
-        raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(plan).__name__}")
-    if plan.dtype != torch.uint8:
-        raise TypeError(f"argument '{name}': expected dtype uint8, got {plan.dtype}")
-    raise ValueError(f"argument '{name}': expected shape [M, {ROW_BYTES}], got {list(plan.shape)}")
-
-
-def _check_flag(value, name: str) -> bool:
-    """A bool argument (numpy bools too), or TypeError naming it."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"argument '{name}': expected a bool, got {type(value).__name__}")
-    return bool(value)
-
-
-def _host_lengths(lengths, name: str) -> list[int]:
-    if not isinstance(lengths, torch.Tensor):
-        raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(lengths).__name__}")
-    if lengths.dtype not in _LENGTH_DTYPES:
-        raise TypeError(f"argument '{name}': expected dtype int64 (or int32), got {lengths.dtype}")
-    if lengths.dim() != 1:
-        raise ValueError(f"argument '{name}': expected a 1-D tensor [B], got shape {list(lengths.shape)}")
-    return [int(x) for x in lengths.detach().to("cpu").tolist()]
-
-
-def plan_online_prefill(
-    extend_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    compress_plan: torch.Tensor,
-    write_plan: torch.Tensor,
-    use_cuda_graph: bool,
-) -> tuple[int, int]:
-    """Plans an online prefill; writes the plan rows in place and returns ``(num_compress, num_write)``.
-
-    ``extend_lens`` and ``seq_lens`` are ``[B]`` int64 (int32 accepted) tensors;
-    ``seq_lens`` include the new tokens. ``compress_plan`` and ``write_plan`` are
-    contiguous ``[M, 16]`` uint8 tensors with ``M = sum(extend_lens)``. Rows
-    ``0 .. num_compress`` of ``compress_plan`` and ``0 .. num_write`` of
-    ``write_plan`` are written (see :func:`plan_segments` for their content and
-    order); the remaining rows are left untouched, unless ``use_cuda_graph``, in
-    which case they are filled with all-0xFF sentinel rows and ``(M, M)`` is
-    returned.
-
-    Raises :class:`TypeError` for a wrong type or dtype and :class:`ValueError`
-    (naming the argument) for a wrong shape, ``not 0 < extend_len <= seq_len``,
-    ``seq_len > MAX_LENGTH`` or ``sum(extend_lens) != M``. Nothing is written
-    when it raises.
-    """
-    extend = _host_lengths(extend_lens, "extend_lens")
-    seq = _host_lengths(seq_lens, "seq_lens")
-    if len(extend) != len(seq):
-        raise ValueError(
-            f"argument 'seq_lens': expected shape [{len(extend)}] like extend_lens, got [{len(seq)}]"
-        )
-    _check_plan_tensor(compress_plan, "compress_plan")
-    _check_plan_tensor(write_plan, "write_plan")
-    for plan, name in ((compress_plan, "compress_plan"), (write_plan, "write_plan")):
-        if not plan.is_contiguous():
-            raise ValueError(f"argument '{name}': expected a contiguous tensor")
-    if write_plan.shape[0] != compress_plan.shape[0]:
-        raise ValueError(
-            f"argument 'write_plan': expected {compress_plan.shape[0]} rows like compress_plan, "
-            f"got {write_plan.shape[0]}"
-        )
-    _check_flag(use_cuda_graph, "use_cuda_graph")
-    total = 0
-    for b, (e, s) in enumerate(zip(extend, seq)):
-        if not 0 < e <= s:
-            raise ValueError(
-                f"argument 'extend_lens': expected 0 < extend_lens[{b}] <= seq_lens[{b}], "
-                f"got extend_lens[{b}] = {e} and seq_lens[{b}] = {s}"
-            )
-        if s > MAX_LENGTH:
-            raise ValueError(f"argument 'seq_lens': expected seq_lens[{b}] <= {MAX_LENGTH}, got {s}")
-        total += e
-    if total > MAX_LENGTH:
-        raise ValueError(f"argument 'extend_lens': expected a sum <= {MAX_LENGTH}, got {total}")
-    num_rows = compress_plan.shape[0]
-    if total != num_rows:
-        raise ValueError(
-            f"argument 'compress_plan': expected [sum(extend_lens), {ROW_BYTES}] = [{total}, {ROW_BYTES}] "
-            f"(write_plan too), got [{num_rows}, {ROW_BYTES}]"
-        )
-
-    compress_rows, write_rows = plan_segments(extend, seq)
-    num_compress, num_write = len(compress_rows), len(write_rows)
-    if num_compress:
-        compress_plan[:num_compress].copy_(encode_rows(compress_rows))
-    if num_write:
-        write_plan[:num_write].copy_(encode_rows(write_rows))
-    if not use_cuda_graph:
-        return num_compress, num_write
-    compress_plan[num_compress:].fill_(PADDING_BYTE)
-    write_plan[num_write:].fill_(PADDING_BYTE)
-    return num_rows, num_rows
 
 
 # ---------------------------------------------------------------------------
@@ -278,6 +130,13 @@ def state_to_store(m, total, kv, dtype: torch.dtype, *, exact_bf16_stores: bool 
         total = total * torch.exp(m - m_b.to(torch.float64))
         m = m_b
     return torch.cat([m.to(dtype), total.to(dtype), kv.to(dtype)], dim=-1)
+
+
+def _check_flag(value, name: str) -> bool:
+    """A bool argument (numpy bools too), or TypeError naming it."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"argument '{name}': expected a bool, got {type(value).__name__}")
+    return bool(value)
 
 
 def _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape,
@@ -419,7 +278,7 @@ def run_decode(
 
 def _live_rows(plan: torch.Tensor, name: str, num_tokens: int, batch: int, compress: bool) -> torch.Tensor:
     """Decodes a plan, drops padding rows and checks the rest against the input sizes (``plan_rows.check_rows``)."""
-    _check_plan_tensor(plan, name)  # first, so that a wrong tensor is named as such
+    check_plan_tensor(plan, name)  # first, so that a wrong tensor is named as such
     return check_rows(plan, name, num_tokens=num_tokens, batch=batch, compress=compress)
 
 
@@ -498,7 +357,7 @@ def _prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices
     """The body of both prefills; ``compact`` picks where a compress row's result goes."""
     output_rows = None
     if compact:
-        _check_plan_tensor(compress_plan, "compress_plan")  # its row count sizes the output
+        check_plan_tensor(compress_plan, "compress_plan")  # its row count sizes the output
         output_rows = (compress_plan.shape[0], "compress_plan rows")
     d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape, output_rows)
     exact = _check_flag(exact_bf16_stores, "exact_bf16_stores")
