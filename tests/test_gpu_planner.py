@@ -28,7 +28,7 @@ from test_planner import LIMIT_CASES
 pytestmark = pytest.mark.nvcc
 
 ERRORS = (ValueError, TypeError, RuntimeError)
-# Error flag bits (csrc/deepseek_v4/c128_plan.cuh, docs/GPU_PLANNER.md).
+# Error flag bits (csrc/deepseek_v4/c128_plan_kernel.cuh, docs/GPU_PLANNER.md).
 EXTEND_NOT_POSITIVE, EXTEND_EXCEEDS_SEQ, SEQ_TOO_LONG, SUM_MISMATCH = 1, 2, 4, 8
 
 _modules: dict[tuple[int, bool], object] = {}
