@@ -7,6 +7,12 @@
 
 #include <cstdint>
 
+// Device passes only (__CUDA_ARCH__ is the arch being compiled): a build for an
+// older arch stops here, with this line as nvcc's first error, not in ptxas.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "sgl_kernel/async_copy.cuh: cp.async needs sm_80 or newer; drop the older archs from the arch list"
+#endif
+
 namespace device::async_copy {
 
 /// \brief Starts copying 16 bytes from global `src` to shared `dst` (both

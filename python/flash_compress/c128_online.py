@@ -13,8 +13,8 @@ from typing import Any
 from . import jit
 from ._paths import source_roots
 
-__all__ = ["HEAD_DIMS_TESTED", "STATE_DTYPES", "load_module", "load_planner", "planner_spec", "resolve_use_pdl",
-           "spec"]
+__all__ = ["HEAD_DIMS_TESTED", "MIN_ARCH", "STATE_DTYPES", "check_arch_list", "load_module", "load_planner",
+           "planner_spec", "resolve_use_pdl", "spec"]
 
 #: head_dim values the test suite runs; any multiple of 64 in [64, 1024] builds.
 HEAD_DIMS_TESTED = (128, 256, 512)
@@ -40,9 +40,25 @@ def _check_state_dtype(state_dtype: str) -> None:
         raise ValueError(f"state_dtype: expected one of {', '.join(map(repr, STATE_DTYPES))}, got {state_dtype!r}")
 
 
+#: The oldest arch the kernels build for: the prefill streams tokens through cp.async (sm_80).
+MIN_ARCH = 8.0
+
+
+def _arch_number(arch: str) -> float:
+    return float(arch.rstrip("af"))
+
+
+def check_arch_list(arch_list: tuple[str, ...]) -> None:
+    """ValueError unless every target arch is sm_80 or newer (``MIN_ARCH``)."""
+    too_old = [arch for arch in arch_list if _arch_number(arch) < MIN_ARCH]
+    if too_old:
+        raise ValueError(f"arch_list: the kernels need sm_80 or newer (cp.async), got {' '.join(arch_list)}; "
+                         f"drop {' '.join(too_old)} (FLASH_COMPRESS_CUDA_ARCH_LIST or jit.config.arch_list)")
+
+
 def resolve_use_pdl(use_pdl: bool | None, arch_list: tuple[str, ...]) -> bool:
     """``None`` means on when every target arch is sm_90 or newer (PDL needs it)."""
-    oldest = min(float(arch.rstrip("af")) for arch in arch_list)
+    oldest = min(_arch_number(arch) for arch in arch_list)
     if use_pdl is None:
         return oldest >= 9.0
     if use_pdl and oldest < 9.0:
@@ -97,6 +113,7 @@ def load_module(head_dim: int = 512, use_pdl: bool | None = None, state_dtype: s
     _check_head_dim(head_dim)
     _check_state_dtype(state_dtype)
     arch_list = jit.cuda_arch_list()
+    check_arch_list(arch_list)
     return jit.load(spec(head_dim, resolve_use_pdl(use_pdl, arch_list), state_dtype), arch_list=arch_list)
 
 

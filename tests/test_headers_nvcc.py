@@ -1,0 +1,67 @@
+"""The kernel headers under the real nvcc (no GPU needed): each compiles on its own, and a build for
+an arch the kernels cannot run on stops with one clear line, at the boundary and in the compiler."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import flash_compress
+from flash_compress import jit
+from flash_compress._paths import source_roots
+from flash_compress.c128_online import check_arch_list
+from flash_compress.jit.toolchain import find_nvcc
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_HEADERS = sorted(path.name for path in (ROOT / "csrc" / "deepseek_v4").glob("*.cuh"))
+
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None,
+                                reason="no nvcc found ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda, nvcc on PATH)")
+
+
+def compile_alone(source: str, arch: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Compiles `source` as one translation unit for `arch` (e.g. "90"), object only."""
+    import tvm_ffi.libinfo
+
+    unit = tmp_path / "unit.cu"
+    unit.write_text(source)
+    includes = [f"-I{path}" for path in (*source_roots(), *tvm_ffi.libinfo.include_paths())]
+    command = [str(find_nvcc()), "-c", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-std=c++20", "-O0",
+               "--expt-relaxed-constexpr", *includes, str(unit), "-o", str(tmp_path / "unit.o")]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+@needs_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("header", KERNEL_HEADERS)
+def test_each_kernel_header_compiles_on_its_own(header, tmp_path):
+    """Each file includes what it uses, so a kernel file can be read, edited and benchmarked alone."""
+    result = compile_alone(f"#include <deepseek_v4/{header}>\n", "90", tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_nvcc
+@pytest.mark.nvcc
+def test_an_arch_without_cp_async_stops_with_one_clear_line(tmp_path):
+    result = compile_alone("#include <sgl_kernel/async_copy.cuh>\n__global__ void k() {}\n", "75", tmp_path)
+    assert result.returncode != 0
+    first_error = next(line for line in (result.stdout + result.stderr).splitlines() if "error" in line)
+    assert "cp.async needs sm_80 or newer" in first_error, first_error
+
+
+def test_the_arch_check_names_the_archs_to_drop():
+    check_arch_list(("8.0", "9.0a", "10.0"))
+    with pytest.raises(ValueError, match=r"arch_list: .*sm_80 or newer.*got 7\.5 9\.0; drop 7\.5"):
+        check_arch_list(("7.5", "9.0"))
+
+
+def test_load_module_refuses_an_old_arch_before_any_build(monkeypatch):
+    def no_build(*args, **kwargs):
+        raise AssertionError("load_module built for an arch it cannot run on")
+
+    monkeypatch.setattr(jit, "load", no_build)
+    monkeypatch.setattr(jit, "cuda_arch_list", lambda: ("7.5",))
+    with pytest.raises(ValueError, match="sm_80 or newer"):
+        flash_compress.load_module(128)
