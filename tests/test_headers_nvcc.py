@@ -65,3 +65,15 @@ def test_load_module_refuses_an_old_arch_before_any_build(monkeypatch):
     monkeypatch.setattr(jit, "cuda_arch_list", lambda: ("7.5",))
     with pytest.raises(ValueError, match="sm_80 or newer"):
         flash_compress.load_module(128)
+
+
+def test_prebuild_refuses_an_old_arch_for_the_kernels_before_any_build(monkeypatch, capsys):
+    from flash_compress.__main__ import main
+    from flash_compress.jit import cli
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("prebuild built for an arch the kernels cannot run on")
+
+    monkeypatch.setattr(cli, "prebuild", no_build)
+    assert main(["prebuild", "--head-dim", "128", "--arch", "7.5", "9.0"]) == 2
+    assert "sm_80 or newer" in capsys.readouterr().err

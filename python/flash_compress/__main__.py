@@ -65,11 +65,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo(batch=args.batch, prefill_len=args.prefill_len, decode_steps=args.decode_steps, seed=args.seed)
 
+    from . import jit
     from .jit import cli
 
     if args.command == "prebuild":
-        from .c128_online import planner_spec, spec
+        from .c128_online import check_arch_list, planner_spec, spec
+        from .jit.toolchain import normalize_arch_list
 
+        if args.head_dim:  # the kernels need sm_80; the planner alone builds for any arch
+            try:
+                check_arch_list(normalize_arch_list(args.arch) if args.arch else jit.cuda_arch_list())
+            except ValueError as exc:
+                print(f"prebuild: {exc}", file=sys.stderr)
+                return 2
         grid = [(f"planner pdl={pdl}", planner_spec(bool(pdl))) for pdl in args.pdl]
         grid += [
             (f"head_dim={head_dim} pdl={pdl} state={state}", spec(head_dim, bool(pdl), state))

@@ -53,7 +53,8 @@ def check_arch_list(arch_list: tuple[str, ...]) -> None:
     too_old = [arch for arch in arch_list if _arch_number(arch) < MIN_ARCH]
     if too_old:
         raise ValueError(f"arch_list: the kernels need sm_80 or newer (cp.async), got {' '.join(arch_list)}; "
-                         f"drop {' '.join(too_old)} (FLASH_COMPRESS_CUDA_ARCH_LIST or jit.config.arch_list)")
+                         f"drop {' '.join(too_old)} from the arch list (prebuild --arch, FLASH_COMPRESS_CUDA_ARCH_LIST "
+                         "or jit.config.arch_list)")
 
 
 def resolve_use_pdl(use_pdl: bool | None, arch_list: tuple[str, ...]) -> bool:
