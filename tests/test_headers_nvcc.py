@@ -16,6 +16,41 @@ from flash_compress.jit.toolchain import find_nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_HEADERS = sorted(path.name for path in (ROOT / "csrc" / "deepseek_v4").glob("*.cuh"))
+LIBRARY_HEADERS = sorted(str(path.relative_to(ROOT / "include"))
+                         for path in (ROOT / "include" / "sgl_kernel").rglob("*") if path.suffix in (".h", ".cuh"))
+
+# docs/SPEC.md section 6: the header library, every name used once (host and device).
+LIBRARY_SURFACE = """
+#include <sgl_kernel/deepseek_v4/compress.cuh>
+#include <sgl_kernel/runtime.cuh>
+#include <sgl_kernel/tensor.h>
+#include <sgl_kernel/tile.cuh>
+#include <sgl_kernel/type.cuh>
+#include <sgl_kernel/utils.cuh>
+#include <sgl_kernel/utils.h>
+#include <sgl_kernel/vec.cuh>
+#include <sgl_kernel/warp.cuh>
+
+__global__ void surface(const float* in, float* out, device::bf16_t* half_out) {
+  using Vec = device::AlignedVector<float, 4>;
+  device::PDLWaitPrimary<true>();
+  const auto tile = device::tile::Memory<Vec>::cta(blockDim.x);
+  Vec v = tile.load(in, 0);
+  v[0] = device::warp::reduce_max<8>(v[0]) + device::warp::reduce_sum<device::kWarpThreads>(v[1]);
+  tile.store(out, v, 0);
+  half_out[threadIdx.x] = device::cast<device::bf16_t>(v[0]);
+  device::PDLTriggerSecondary<true>();
+}
+
+int64_t host_surface(int64_t n) {
+  int64_t total = 0;
+  for (auto i : host::irange(n)) total += i;
+  for (auto i : host::irange(2, n)) total += i;
+  host::RuntimeCheck(total >= 0, "total ", total);
+  if (n < 0) host::Panic("negative n ", n);
+  return total + sizeof(device::compress::PrefillPlan) + host::compress::kPrefillPlanDim;
+}
+"""
 
 needs_nvcc = pytest.mark.skipif(find_nvcc() is None,
                                 reason="no nvcc found ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda, nvcc on PATH)")
@@ -39,6 +74,22 @@ def compile_alone(source: str, arch: str, tmp_path: Path) -> subprocess.Complete
 def test_each_kernel_header_compiles_on_its_own(header, tmp_path):
     """Each file includes what it uses, so a kernel file can be read, edited and benchmarked alone."""
     result = compile_alone(f"#include <deepseek_v4/{header}>\n", "90", tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("header", LIBRARY_HEADERS)
+def test_each_library_header_compiles_on_its_own(header, tmp_path):
+    result = compile_alone(f"#include <{header}>\n", "90", tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_nvcc
+@pytest.mark.nvcc
+def test_the_header_library_surface_compiles(tmp_path):
+    """Every helper the contract names for the header library, used once: the kernels use only some."""
+    result = compile_alone(LIBRARY_SURFACE, "90", tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
