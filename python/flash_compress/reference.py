@@ -189,16 +189,27 @@ def _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, 
     return d
 
 
-def _slot_indices(indices, name: str, batch: int, num_slots: int, device) -> torch.Tensor:
-    """Validates an ``[B]`` slot index tensor; returns it as int64 on ``device``."""
-    if not isinstance(indices, torch.Tensor):
-        raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(indices).__name__}")
-    if indices.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"argument '{name}': expected dtype int32, got {indices.dtype}")
-    if indices.dim() != 1 or indices.shape[0] != batch:
-        raise ValueError(f"argument '{name}': expected shape [{batch}], got {list(indices.shape)}")
-    if indices.device != device:
-        raise ValueError(f"argument '{name}': expected device {device} like kv_score_buffer, got {indices.device}")
+def _index_vector(t, name: str, device, batch: Optional[int] = None, *, like: str = "",
+                  dtypes: tuple[torch.dtype, ...] = _INDEX_DTYPES) -> int:
+    """Checks a ``[B]`` index tensor on ``device`` (int32; ``dtypes`` says what else passes) with
+    ``B = batch`` when given (``like`` names where B comes from); returns B."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"argument '{name}': expected dtype int32, got {t.dtype}")
+    if t.dim() != 1 or (batch is not None and t.shape[0] != batch):
+        want = "[B]" if batch is None else f"[{batch}]" + (f" like {like}" if like else "")
+        raise ValueError(f"argument '{name}': expected shape {want}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"argument '{name}': expected device {device} like kv_score_buffer, got {t.device}")
+    return t.shape[0]
+
+
+def _slot_indices(indices, name: str, num_slots: int, device, batch: Optional[int] = None, *,
+                  like: str = "") -> torch.Tensor:
+    """Validates an ``[B]`` slot index tensor (:func:`_index_vector`), every slot in the pool; returns
+    it as int64 on ``device``."""
+    batch = _index_vector(indices, name, device, batch, like=like)
     out = indices.to(torch.int64)
     if batch and (int(out.min()) < 0 or int(out.max()) >= num_slots):
         raise ValueError(f"argument '{name}': expected every slot in [0, {num_slots}), got {out.tolist()}")
@@ -241,13 +252,8 @@ def run_decode(
     exact = _check_flag(exact_bf16_stores, "exact_bf16_stores")
     batch = kv_score_input.shape[0]
     device = kv_score_buffer.device
-    slots = _slot_indices(indices, "indices", batch, kv_score_buffer.shape[0], device)
-    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"argument 'seq_lens': expected an int32 tensor, got {getattr(seq_lens, 'dtype', seq_lens)}")
-    if seq_lens.dim() != 1 or seq_lens.shape[0] != batch:
-        raise ValueError(f"argument 'seq_lens': expected shape [{batch}], got {list(seq_lens.shape)}")
-    if seq_lens.device != device:
-        raise ValueError(f"argument 'seq_lens': expected device {device} like kv_score_buffer, got {seq_lens.device}")
+    slots = _slot_indices(indices, "indices", kv_score_buffer.shape[0], device, batch, like="kv_score_input rows")
+    _index_vector(seq_lens, "seq_lens", device, batch, like="kv_score_input rows")
     if batch == 0:
         return
     position = seq_lens.to(torch.int64) - 1
@@ -363,16 +369,13 @@ def _prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices
     exact = _check_flag(exact_bf16_stores, "exact_bf16_stores")
     num_tokens = kv_score_input.shape[0]
     device = kv_score_buffer.device
-    if not isinstance(indices, torch.Tensor):
-        raise TypeError(f"argument 'indices': expected a torch.Tensor, got {type(indices).__name__}")
-    if indices.dim() != 1:
-        raise ValueError(f"argument 'indices': expected a 1-D tensor [B], got shape {list(indices.shape)}")
-    batch = indices.shape[0]
-    slots = _slot_indices(indices, "indices", batch, kv_score_buffer.shape[0], device)
+    slots = _slot_indices(indices, "indices", kv_score_buffer.shape[0], device)
+    batch = len(slots)
     if load_indices is None:
         load_slots = slots
     else:
-        load_slots = _slot_indices(load_indices, "load_indices", batch, kv_score_buffer.shape[0], device)
+        load_slots = _slot_indices(load_indices, "load_indices", kv_score_buffer.shape[0], device, batch,
+                                   like="indices")
     compress_rows = _live_rows(compress_plan, "compress_plan", num_tokens, batch, compress=True)
     write_rows = _live_rows(write_plan, "write_plan", num_tokens, batch, compress=False)
     if not len(compress_rows) and not len(write_rows):
@@ -410,20 +413,6 @@ def _prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices
 # ---------------------------------------------------------------------------
 # Speculative decoding: verify and commit (SPEC section 9).
 # ---------------------------------------------------------------------------
-
-
-def _int32_vector(t, name: str, device, batch: Optional[int] = None) -> int:
-    """Checks a ``[B]`` int32 tensor on ``device`` (``B = batch`` when given); returns B."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"argument '{name}': expected dtype int32, got {t.dtype}")
-    if t.dim() != 1 or (batch is not None and t.shape[0] != batch):
-        want = "[B]" if batch is None else f"[{batch}] like indices"
-        raise ValueError(f"argument '{name}': expected shape {want}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"argument '{name}': expected device {device} like kv_score_buffer, got {t.device}")
-    return t.shape[0]
 
 
 def _check_prefix_states(prefix_states, kv_score_buffer: torch.Tensor, rows: int) -> None:
@@ -500,8 +489,8 @@ def run_verify(
     d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape)
     exact = _check_flag(exact_bf16_stores, "exact_bf16_stores")
     device = kv_score_buffer.device
-    batch = _int32_vector(indices, "indices", device)
-    _int32_vector(seq_lens, "seq_lens", device, batch)
+    batch = _index_vector(indices, "indices", device, dtypes=(torch.int32,))
+    _index_vector(seq_lens, "seq_lens", device, batch, like="indices", dtypes=(torch.int32,))
     rows = kv_score_input.shape[0]
     _check_prefix_states(prefix_states, kv_score_buffer, rows)
     window = _tokens_per_request(rows, batch, "kv_score_input")
@@ -564,8 +553,8 @@ def run_commit(
     rows = prefix_states.shape[0] if prefix_states.dim() else 0
     _check_prefix_states(prefix_states, kv_score_buffer, rows)
     device = kv_score_buffer.device
-    batch = _int32_vector(indices, "indices", device)
-    _int32_vector(accept_lens, "accept_lens", device, batch)
+    batch = _index_vector(indices, "indices", device, dtypes=(torch.int32,))
+    _index_vector(accept_lens, "accept_lens", device, batch, like="indices", dtypes=(torch.int32,))
     window = _tokens_per_request(rows, batch, "prefix_states")
     num_slots = shape[0]
     slots, accepted = indices.tolist(), accept_lens.tolist()
