@@ -243,31 +243,22 @@ struct C128Online {
                       const tvm::ffi::TensorView& write_plan,
                       const tvm::ffi::Optional<tvm::ffi::TensorView>& load_indices, bool compact_output) {
     using namespace host;
-    using compress::kPrefillPlanDim;
-    using compress::PrefillPlanTensorDtype;
     auto N = SymbolicSize{"num_tokens"};
     auto B = SymbolicSize{"batch_size"};
     auto num_compress = SymbolicSize{"num_compress_rows"};
     auto num_write = SymbolicSize{"num_write_rows"};
     auto device = SymbolicDevice{};
     device.set_options<kDLCUDA>();
-    const auto verify_plan = [&](const tvm::ffi::TensorView& plan, SymbolicSize& rows, const char* name) {
-      TensorMatcher({rows, kPrefillPlanDim})
-          .with_dtype<PrefillPlanTensorDtype>()
-          .with_device(device)
-          .with_alignment(alignof(PrefillPlan))
-          .verify(plan, name);
-    };
     // A compact output must have the compress plan's rows: the plan binds the
     // count first, so a mismatch names the output.
-    if (compact_output) verify_plan(compress_plan, num_compress, "compress_plan");
+    if (compact_output) verify_plan(compress_plan, num_compress, device, "compress_plan");
     const int32_t num_slots = Checks::state_pool(kv_score_buffer, device);
     Checks::tokens_output_ape(kv_score_input, kv_compressed_output, ape, N, compact_output ? num_compress : N, device);
     Checks::per_request(indices, B, device, "indices");
     const auto load_from = load_indices.value_or(indices);
     Checks::per_request(load_from, B, device, "load_indices");
-    verify_plan(compress_plan, num_compress, "compress_plan");
-    verify_plan(write_plan, num_write, "write_plan");
+    verify_plan(compress_plan, num_compress, device, "compress_plan");
+    verify_plan(write_plan, num_write, device, "write_plan");
     CheckAs("ValueError", N.unwrap() < kPlanSentinel, "argument 'kv_score_input': expected fewer than 2^32-1 rows, got ",
             N.unwrap());
     CheckAs("ValueError", num_compress.unwrap() < kPlanSentinel,

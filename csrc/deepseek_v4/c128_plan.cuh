@@ -61,16 +61,22 @@ inline void fill_sentinel_rows(PrefillPlan* plan, int64_t begin, int64_t end) {
 
 using PlanResult = tvm::ffi::Tuple<int64_t, int64_t>;
 
-/// \brief Both plans: uint8 [M, 16], contiguous, rows 16-byte aligned (the
+/// \brief A plan: uint8 `[rows, 16]`, contiguous, rows 16-byte aligned (the
 /// kernels load whole rows), on `device`.
+inline void verify_plan(const tvm::ffi::TensorView& plan, host::SymbolicSize& rows, host::SymbolicDevice& device,
+                        const char* name) {
+  host::TensorMatcher({rows, host::compress::kPrefillPlanDim})
+      .with_dtype<host::compress::PrefillPlanTensorDtype>()
+      .with_device(device)
+      .with_alignment(alignof(PrefillPlan))
+      .verify(plan, name);
+}
+
+/// \brief Both plans of a planner call, `[M, 16]` each.
 inline void verify_plans(const tvm::ffi::TensorView& compress_plan, const tvm::ffi::TensorView& write_plan,
                          host::SymbolicSize& M, host::SymbolicDevice& device) {
-  const auto matcher = host::TensorMatcher({M, host::compress::kPrefillPlanDim})
-                           .with_dtype<host::compress::PrefillPlanTensorDtype>()
-                           .with_device(device)
-                           .with_alignment(alignof(PrefillPlan));
-  matcher.verify(compress_plan, "compress_plan");
-  matcher.verify(write_plan, "write_plan");
+  verify_plan(compress_plan, M, device, "compress_plan");
+  verify_plan(write_plan, M, device, "write_plan");
 }
 
 /// \brief The host path: int64 [B] lengths and uint8 [M, 16] plans, all on
