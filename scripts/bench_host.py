@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Host time per call of the raw kernels (needs a CUDA GPU): where a single call's event time goes.
 
-    python scripts/bench_host.py [--reference ../shared/seed/c128_online.cuh.txt]
+    python scripts/bench_host.py [--reference ../shared/seed/c128_online.cuh.txt] [NAME=PATH ...]
 
-Each figure is the host's wall clock per call over 3000 calls in a loop (after
+Each figure is the host's wall clock per call, the median of 5 loops of 1000 calls (after
 100 warm-ups), without waiting on the GPU in between: decode B=1, a prefill
 with empty plans (the tvm-ffi call and the argument checks, no launch) and a
 prefill of 1 x 200 tokens from a random prefix (both passes launch). Beside
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 from bench_api import per_call_us  # noqa: E402
+from bench_variants import load_variant, parse_variant  # noqa: E402
 import flash_compress  # noqa: E402
 from flash_compress.plan_rows import CHUNK_SIZE  # noqa: E402
 
@@ -30,18 +32,22 @@ HEAD_DIM = 512
 
 
 def host_us_per_call(fn) -> float:
-    """One sample of 3000 calls after 100 warm-ups."""
-    return per_call_us(fn, calls=3000, repeats=1, warmup=100)
+    """Median of 5 samples of 1000 calls, after 100 warm-ups."""
+    return per_call_us(fn, calls=1000, repeats=5, warmup=100)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reference", default=None, metavar="SEED", help="also time the reference design")
+    parser.add_argument("variants", nargs="*", type=parse_variant, metavar="NAME=PATH")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_host.py needs a CUDA GPU", file=sys.stderr)
         return 2
     impls = {"flash_compress": flash_compress.load_module(HEAD_DIM)}
+    with tempfile.TemporaryDirectory(prefix="flash-compress-variants-") as source_root:
+        for name, files in args.variants:
+            impls[name] = load_variant(name, files, HEAD_DIM, Path(source_root), "float32")
     if args.reference:
         from reference_design import load_reference
 

@@ -1,7 +1,7 @@
 """Time edited copies of the kernel header against the tree (and the reference design) in one process.
 
     python scripts/bench_variants.py [--reference SEED] [--rounds 5] [--decode-only] [--state-dtype bfloat16]
-                                     [--per-pass] [--prefill-only] NAME=PATH ...
+                                     [--per-pass] [--prefill-only] [--check] NAME=PATH ...
 
 Each NAME=PATH is a variant of the kernel files in ``csrc/deepseek_v4/``: PATH
 is a folder whose files replace their namesakes (e.g. an edited
@@ -14,6 +14,13 @@ the median and the minimum over rounds (us). Prefill cases are timed three
 ways: one call with exact plans between events, the same in a CUDA graph of 10
 calls (kernels alone), and with ``use_cuda_graph`` plans. This is how the
 sweeps of docs/PERFORMANCE.md were measured.
+
+``--check`` first runs every variant and the tree once on each case (prefill
+with exact and padded plans, twice in a row, plus a case that reads its prior
+states from other slots through ``load_indices``; decode) from the same states
+into NaN-poisoned outputs, and compares states and outputs bit for bit: a
+variant meant to change speed only must match the tree exactly. It exits 1 on
+any difference.
 """
 
 from __future__ import annotations
@@ -95,6 +102,59 @@ def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtyp
     return out
 
 
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.int32 if tensor.element_size() == 4 else torch.int16)
+
+
+def check_variants(impls: dict, head_dim: int, state_dtype: torch.dtype) -> int:
+    """Runs the tree and every variant on the same inputs; prints, per case and variant, whether
+    states and outputs are bitwise identical; returns the number of differing (case, variant)."""
+    variants = {name: m for name, m in impls.items() if name not in ("tree", "reference")}
+    gen = torch.Generator().manual_seed(1)
+    differing = 0
+
+    def compare(case: str, run) -> None:
+        nonlocal differing
+        expected = [_bits(t) for t in run(impls["tree"])]
+        for name, m in variants.items():
+            same = all(torch.equal(a, _bits(b)) for a, b in zip(expected, run(m)))
+            differing += not same
+            print(f"check {case:40} {name}: {'identical' if same else 'DIFFERENT'}", flush=True)
+
+    # The last case reads every prior state from a slot no request writes, in another order.
+    for name, batch, extend, random_prefix, singles in bench.PREFILL_CASES + [("7x333 + 5x1 other slots", 7, 333,
+                                                                              True, 5)]:
+        d, _, _, _ = bench.prefill_case(impls["tree"], head_dim, batch, extend, random_prefix, gen, singles)
+        requests = len(d["extends"])
+        load_indices = None
+        if "other slots" in name:
+            d["state"] = torch.randn(2 * requests, 1, 3 * head_dim, device="cuda")
+            load_indices = (requests + torch.randperm(requests, generator=gen)).to(torch.int32).cuda()
+        for padded in (False, True):
+            plans = bench.plan(impls["tree"], d["extends"], d["seq_lens"], padded)
+
+            def run(m, d=d, plans=plans, load_indices=load_indices):
+                state = d["state"].to(state_dtype, copy=True)
+                out = torch.full_like(d["out"], float("nan"))
+                for _ in range(2):  # the second call starts from the states the first one stored
+                    m.run_prefill(state, d["input"], out, d["ape"], d["indices"], *plans, load_indices)
+                torch.cuda.synchronize()
+                return state, out
+
+            compare(f"prefill {name}" + (" graph-plan" if padded else ""), run)
+    for batch in bench.DECODE_BATCHES:
+        args, _ = bench.decode_case(head_dim, batch)
+
+        def run(m, args=args):
+            state, out = args[0].to(state_dtype, copy=True), torch.full_like(args[2], float("nan"))
+            m.run_decode(state, args[1], out, *args[3:], None)
+            torch.cuda.synchronize()
+            return state, out
+
+        compare(f"decode B={batch}", run)
+    return differing
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variants", nargs="*", type=parse_variant, metavar="NAME=PATH")
@@ -105,6 +165,7 @@ def main() -> int:
     parser.add_argument("--state-dtype", choices=list(bench.STATE_DTYPES), default="float32")
     parser.add_argument("--per-pass", action="store_true", help="also time each prefill pass alone, in graph")
     parser.add_argument("--prefill-only", action="store_true")
+    parser.add_argument("--check", action="store_true", help="first compare every variant with the tree, bitwise")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_variants.py needs a CUDA GPU", file=sys.stderr)
@@ -121,6 +182,9 @@ def main() -> int:
         with ThreadPoolExecutor() as pool:  # the builds are nvcc processes: run them side by side
             futures = {name: pool.submit(load) for name, load in loaders.items()}
             impls = {name: future.result() for name, future in futures.items()}
+    if args.check and check_variants(impls, args.head_dim, bench.STATE_DTYPES[args.state_dtype]):
+        print("check: variants differ from the tree (above); nothing timed", file=sys.stderr)
+        return 1
     timed = cases(impls, args.head_dim, args.decode_only, bench.STATE_DTYPES[args.state_dtype], args.per_pass)
     if args.prefill_only:
         timed = {case: per_impl for case, per_impl in timed.items() if case.startswith("prefill")}
