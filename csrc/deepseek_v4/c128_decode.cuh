@@ -30,7 +30,7 @@ struct DecodeParams {
   int32_t num_slots;
 };
 
-template <int64_t kHeadDim>
+template <int64_t kHeadDim, typename StateT>
 struct DecodeLayout {
   static constexpr uint32_t kLanes = kHeadDim / kVecWidth;  // threads per request
   /// A block holds blockDim.x / kLanes requests, chosen per launch
@@ -39,13 +39,21 @@ struct DecodeLayout {
   static constexpr uint32_t kMaxRequestsPerBlock = kMaxThreads / kLanes;
   /// At least a warp per block.
   static constexpr uint32_t kMinRequestsPerBlock = kLanes >= device::kWarpThreads ? 1 : device::kWarpThreads / kLanes;
+  /// With bfloat16 states the kernel fits 32 registers without spills, so a
+  /// full SM of threads: fewer waves at large batches (bf16, head_dim 128
+  /// B=4096 3.65 -> 2.97 us, head_dim 1024 B=512 3.68 -> 3.05 us, head_dim 512
+  /// within 1%; docs/PERF_LOG.md). Only where the lanes per request are a
+  /// power of two: other head dims spill at 32 registers. float32 states
+  /// spill there too, and measured slower.
+  static constexpr bool kFullOccupancy = !std::is_same_v<StateT, float> && (kLanes & (kLanes - 1)) == 0;
+  static constexpr uint32_t kMinBlocksPerSM = kFullOccupancy ? 2048 / kMaxThreads : 1;
 };
 
 /// \brief What one thread reads for one request's 4 channels.
 template <typename StateT>
 struct DecodeLoads {
   Vec kv, score, bias;
-  SoftmaxState old;
+  StoredState<StateT> old;  // widened only once every load has landed
   StateT* state;  // the request's slot; null if the request is skipped
   uint32_t pos;   // position of the new token in its chunk
 };
@@ -70,7 +78,7 @@ SGL_DEVICE DecodeLoads<StateT> load_decode_request(const DecodeParams<StateT>& p
   in.state = params.state + static_cast<int64_t>(slot) * (3 * kHeadDim) + lane * kVecWidth;
   in.bias.load(params.ape + in.pos * kHeadDim + lane * kVecWidth);
   // The first token of a chunk replaces the state unread.
-  if (in.pos != 0) in.old = load_state(in.state, kHeadDim);
+  if (in.pos != 0) in.old = StoredState<StateT>::load(in.state, kHeadDim);
   return in;
 }
 
@@ -78,10 +86,11 @@ template <int64_t kHeadDim, typename StateT>
 SGL_DEVICE void finish_decode_request(const DecodeParams<StateT>& params, const DecodeLoads<StateT>& in,
                                       uint32_t request, uint32_t lane) {
   if (in.state == nullptr) return;
+  const SoftmaxState old = in.old.widen();
   Vec s;
 #pragma unroll
   for (uint32_t c = 0; c < kVecWidth; ++c) s[c] = in.score[c] + in.bias[c];
-  const SoftmaxState next = in.pos == 0 ? first_token_state(s, in.kv) : add_token(in.old, s, in.kv);
+  const SoftmaxState next = in.pos == 0 ? first_token_state(s, in.kv) : add_token(old, s, in.kv);
   if (in.pos == kC128ChunkSize - 1) {
     // The chunk is complete: emit it. The state is left alone because the
     // next chunk's first token replaces it unread.
@@ -92,9 +101,10 @@ SGL_DEVICE void finish_decode_request(const DecodeParams<StateT>& params, const 
 }
 
 template <int64_t kHeadDim, bool kUsePDL, typename StateT>
-__global__ void __launch_bounds__(DecodeLayout<kHeadDim>::kMaxThreads)
+__global__ void __launch_bounds__(DecodeLayout<kHeadDim, StateT>::kMaxThreads,
+                                  DecodeLayout<kHeadDim, StateT>::kMinBlocksPerSM)
     c128_decode_kernel(const __grid_constant__ DecodeParams<StateT> params) {
-  using Layout = DecodeLayout<kHeadDim>;
+  using Layout = DecodeLayout<kHeadDim, StateT>;
   const uint32_t lane = threadIdx.x % Layout::kLanes;
   const uint32_t request = blockIdx.x * (blockDim.x / Layout::kLanes) + threadIdx.x / Layout::kLanes;
 

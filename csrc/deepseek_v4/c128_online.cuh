@@ -115,7 +115,7 @@ struct C128Online {
 
     const int64_t batch_size = B.unwrap();
     if (batch_size == 0) return;
-    using Layout = DecodeLayout<kHeadDim>;
+    using Layout = DecodeLayout<kHeadDim, StateT>;
     const DecodeParams<StateT> params{
         .state = data_ptr<StateT>(kv_score_buffer),
         .input = data_ptr<const float>(kv_score_input),

@@ -119,29 +119,40 @@ SGL_DEVICE SoftmaxState finish_state(const SoftmaxPartial& part, const SoftmaxSt
   return out;
 }
 
-/// \brief 4 channels of one field of a stored state, widened to float.
+/// \brief 4 channels of a stored state `[max | sum | kv]` as they sit in the
+/// slot (float32 or bfloat16). A kernel that holds a loaded state while other
+/// loads are in flight keeps it in this form: bfloat16 takes half the
+/// registers until `widen` is called where the values are used.
 template <typename StateT>
-SGL_DEVICE Vec load_state_field(const StateT* field) {
-  if constexpr (std::is_same_v<StateT, float>) {
-    Vec v;
-    v.load(field);
-    return v;
-  } else {
-    device::AlignedVector<StateT, kVecWidth> raw;
-    raw.load(field);
+struct StoredState {
+  using Field = device::AlignedVector<StateT, kVecWidth>;
+  Field max, sum, kv;
+
+  /// \brief `slot` points at the 4 channels' `max`; the fields are `field_stride` elements apart.
+  SGL_DEVICE static StoredState load(const StateT* slot, int64_t field_stride) {
+    StoredState stored;
+    stored.max.load(slot);
+    stored.sum.load(slot + field_stride);
+    stored.kv.load(slot + 2 * field_stride);
+    return stored;
+  }
+
+  SGL_DEVICE SoftmaxState widen() const { return SoftmaxState{widen(max), widen(sum), widen(kv)}; }
+
+ private:
+  SGL_DEVICE static Vec widen(const Field& field) {
     Vec v;
 #pragma unroll
-    for (uint32_t c = 0; c < kVecWidth; ++c) v[c] = device::cast<float>(raw[c]);
+    for (uint32_t c = 0; c < kVecWidth; ++c) v[c] = device::cast<float>(field[c]);
     return v;
   }
-}
+};
 
-/// \brief Loads 4 channels of a stored state; `slot` points at their `max`,
-/// the fields are `field_stride` elements apart.
+/// \brief Loads 4 channels of a stored state, widened to float; `slot` points
+/// at their `max`, the fields are `field_stride` elements apart.
 template <typename StateT>
 SGL_DEVICE SoftmaxState load_state(const StateT* slot, int64_t field_stride) {
-  return SoftmaxState{load_state_field(slot), load_state_field(slot + field_stride),
-                      load_state_field(slot + 2 * field_stride)};
+  return StoredState<StateT>::load(slot, field_stride).widen();
 }
 
 /// \brief Stores 4 channels of a state. A bfloat16 `max` is rounded first and
