@@ -3,6 +3,7 @@ an arch the kernels cannot run on stops with one clear line, at the boundary and
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import flash_compress
 from flash_compress import jit
 from flash_compress._paths import source_roots
-from flash_compress.c128_online import check_arch_list
+from flash_compress.c128_online import STATE_DTYPES, check_arch_list, spec
 from flash_compress.jit.toolchain import find_nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,16 +58,33 @@ needs_nvcc = pytest.mark.skipif(find_nvcc() is None,
                                 reason="no nvcc found ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda, nvcc on PATH)")
 
 
-def compile_alone(source: str, arch: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def compile_alone(source: str, arch: str, tmp_path: Path,
+                  flags: tuple[str, ...] = ("-std=c++20", "-O0", "--expt-relaxed-constexpr")
+                  ) -> subprocess.CompletedProcess:
     """Compiles `source` as one translation unit for `arch` (e.g. "90"), object only."""
     import tvm_ffi.libinfo
 
     unit = tmp_path / "unit.cu"
     unit.write_text(source)
     includes = [f"-I{path}" for path in (*source_roots(), *tvm_ffi.libinfo.include_paths())]
-    command = [str(find_nvcc()), "-c", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-std=c++20", "-O0",
-               "--expt-relaxed-constexpr", *includes, str(unit), "-o", str(tmp_path / "unit.o")]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    command = [str(find_nvcc()), "-c", f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags, *includes, str(unit),
+               "-o", str(tmp_path / "unit.o")]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+def ptxas_usage(report: str) -> dict[str, tuple[int, int]]:
+    """Mangled entry-function name -> (registers, bytes of spill stores), from `--resource-usage`."""
+    usage: dict[str, tuple[int, int]] = {}
+    entry, spills = None, 0
+    for line in report.splitlines():
+        if found := re.search(r"Compiling entry function '([^']+)'", line):
+            entry, spills = found.group(1), 0
+        elif entry and (found := re.search(r"(\d+) bytes spill stores", line)):
+            spills = int(found.group(1))
+        elif entry and (found := re.search(r"Used (\d+) registers", line)):
+            usage[entry] = (int(found.group(1)), spills)
+            entry = None
+    return usage
 
 
 @needs_nvcc
@@ -93,6 +111,28 @@ def test_an_arch_without_cp_async_stops_with_one_clear_line(tmp_path):
     assert result.returncode != 0
     first_error = next(line for line in (result.stdout + result.stderr).splitlines() if "error" in line)
     assert "cp.async needs sm_80 or newer" in first_error, first_error
+
+
+@needs_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("head_dim", [128, 1024])
+def test_kernels_fit_the_registers_their_launch_shapes_assume(head_dim, tmp_path):
+    """No kernel spills at the build's flags, and bfloat16 decode fits 32 registers: its
+    `__launch_bounds__` asks for 2048 threads per SM, which is what made it faster (PERF_LOG.md)."""
+    instances = "".join(f"template struct flash_compress::c128::C128Online<{head_dim}, true, {cxx}>;\n"
+                        for cxx, _ in STATE_DTYPES.values())
+    flags = (*spec(head_dim, True).extra_cuda_cflags, "--resource-usage")
+    result = compile_alone("#include <deepseek_v4/c128_online.cuh>\n" + instances, "90", tmp_path, flags)
+    assert result.returncode == 0, result.stdout + result.stderr
+    usage = ptxas_usage(result.stdout + result.stderr)
+    kernels = ("c128_decode_kernel", "c128_prefill_kernel", "c128_verify_kernel", "c128_commit_kernel")
+    for kernel in kernels:  # each kernel, both state dtypes
+        assert sum(kernel in name for name in usage) >= 2, (kernel, sorted(usage))
+    spilling = {name: spills for name, (_, spills) in usage.items() if spills}
+    assert not spilling, spilling
+    bf16_decode = {name: regs for name, (regs, _) in usage.items()
+                   if "c128_decode_kernel" in name and "bfloat16" in name}
+    assert bf16_decode and max(bf16_decode.values()) <= 32, bf16_decode
 
 
 def test_the_arch_check_names_the_archs_to_drop():
