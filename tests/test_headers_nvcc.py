@@ -115,7 +115,7 @@ def test_an_arch_without_cp_async_stops_with_one_clear_line(tmp_path):
 
 @needs_nvcc
 @pytest.mark.nvcc
-@pytest.mark.parametrize("head_dim", [128, 1024])
+@pytest.mark.parametrize("head_dim", [128, 512, 1024])
 def test_kernels_fit_the_registers_their_launch_shapes_assume(head_dim, tmp_path):
     """No kernel spills at the build's flags, and bfloat16 decode fits 32 registers: its
     `__launch_bounds__` asks for 2048 threads per SM, which is what made it faster (PERF_LOG.md)."""
