@@ -121,13 +121,15 @@ def check_variants(impls: dict, head_dim: int, state_dtype: torch.dtype) -> int:
             differing += not same
             print(f"check {case:40} {name}: {'identical' if same else 'DIFFERENT'}", flush=True)
 
-    # The last case reads every prior state from a slot no request writes, in another order.
-    for name, batch, extend, random_prefix, singles in bench.PREFILL_CASES + [("7x333 + 5x1 other slots", 7, 333,
-                                                                              True, 5)]:
+    # The bench cases, then one that reads every prior state from a slot no request writes, in
+    # another order (load_indices).
+    prefill_cases = [(case, False) for case in bench.PREFILL_CASES] + [(("7x333 + 5x1 other slots", 7, 333, True, 5),
+                                                                        True)]
+    for (name, batch, extend, random_prefix, singles), other_slots in prefill_cases:
         d, _, _, _ = bench.prefill_case(impls["tree"], head_dim, batch, extend, random_prefix, gen, singles)
         requests = len(d["extends"])
         load_indices = None
-        if "other slots" in name:
+        if other_slots:
             d["state"] = torch.randn(2 * requests, 1, 3 * head_dim, device="cuda")
             load_indices = (requests + torch.randperm(requests, generator=gen)).to(torch.int32).cuda()
         for padded in (False, True):
