@@ -98,14 +98,15 @@ struct SegmentWork {
   uint32_t window_len;   // tokens in the segment
   uint32_t first_slice;  // channel slices [first_slice, end_slice)
   uint32_t end_slice;
-  int32_t prior_slot;   // slot of the chunk's earlier tokens; -1 if the segment starts the chunk
-  int32_t target;       // compress pass: output row; write pass: slot the state goes to
+  uint32_t batch_id;    // the request, whose slots compress_segment reads
+  uint32_t output_row;  // compress pass: the row the chunk goes to
 };
 
 /// \brief Decodes a plan row. Sentinel rows (CUDA-graph padding) and rows the
-/// kernel cannot execute safely (out-of-range rows, slots or request ids,
-/// a segment that leaves its chunk, a row of the other pass) yield false and
-/// are skipped: the host cannot see these values without a sync.
+/// kernel cannot execute safely (out-of-range rows or request ids, a segment
+/// that leaves its chunk, a row of the other pass) yield false and are
+/// skipped: the host cannot see these values without a sync. (A bad slot
+/// skips the segment's store, in compress_segment.)
 template <bool kWritePass, typename StateT>
 SGL_DEVICE bool decode_segment(uint32_t row_index, uint32_t first_slice, uint32_t end_slice,
                                const PrefillParams<StateT>& params, SegmentWork& work) {
@@ -122,17 +123,8 @@ SGL_DEVICE bool decode_segment(uint32_t row_index, uint32_t first_slice, uint32_
   work.window_len = row.window_len;
   work.first_slice = first_slice;
   work.end_slice = end_slice;
-  work.prior_slot = -1;
-  if (work.first_pos != 0) {
-    work.prior_slot = params.load_indices[row.batch_id];
-    if (work.prior_slot < 0 || work.prior_slot >= params.num_slots) return false;
-  }
-  if constexpr (kWritePass) {
-    work.target = params.indices[row.batch_id];
-    if (work.target < 0 || work.target >= params.num_slots) return false;
-  } else {
-    work.target = static_cast<int32_t>(params.compact_output ? row_index : row.ragged_id);
-  }
+  work.batch_id = row.batch_id;
+  work.output_row = params.compact_output ? row_index : row.ragged_id;
   return true;
 }
 
@@ -157,8 +149,8 @@ SGL_DEVICE SegmentWork broadcast_work(const SegmentWork& work, uint32_t src) {
       .window_len = __shfl_sync(kAll, work.window_len, src),
       .first_slice = __shfl_sync(kAll, work.first_slice, src),
       .end_slice = __shfl_sync(kAll, work.end_slice, src),
-      .prior_slot = __shfl_sync(kAll, work.prior_slot, src),
-      .target = __shfl_sync(kAll, work.target, src),
+      .batch_id = __shfl_sync(kAll, work.batch_id, src),
+      .output_row = __shfl_sync(kAll, work.output_row, src),
   };
 }
 
@@ -192,11 +184,15 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   const uint32_t token_lane = lane / Layout::kLanes;
   const uint32_t channel = slice * Layout::kSliceDim + (lane % Layout::kLanes) * kVecWidth;
 
-  // Issued first so that its latency hides under the token loads.
+  // The slots are read here, not where the plan row is decoded, so that the
+  // token loads need not wait for them: only the prior state and the store
+  // do. A bad slot (the host cannot see it without a sync) skips the store.
+  const bool has_prior = work.first_pos != 0;
+  const int32_t prior_slot = has_prior ? params.load_indices[work.batch_id] : -1;
+  const int32_t target_slot = kWritePass ? params.indices[work.batch_id] : 0;
+  const bool slots_ok = (!has_prior || (prior_slot >= 0 && prior_slot < params.num_slots)) &&
+                        (!kWritePass || (target_slot >= 0 && target_slot < params.num_slots));
   SoftmaxState prior;
-  if (work.prior_slot >= 0) {
-    prior = load_state(params.state + static_cast<int64_t>(work.prior_slot) * (3 * kHeadDim) + channel, kHeadDim);
-  }
 
   // Round r of this lane holds its tokens token_lane + r * kRoundTokens + k * kStride, k < kBatch.
   const uint32_t rounds =
@@ -226,6 +222,11 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
 
 #pragma unroll
   for (uint32_t round = 0; round + 1 < Layout::kStages; ++round) fetch_tokens(round);
+  // Issued once the first round of tokens is in flight (it waits for the
+  // slot), and only by the lanes that finish the state.
+  if (token_lane == 0 && has_prior && slots_ok) {
+    prior = load_state(params.state + static_cast<int64_t>(prior_slot) * (3 * kHeadDim) + channel, kHeadDim);
+  }
   Vec bias[kBatch];
   load_bias(0, bias);
   SoftmaxPartial part = SoftmaxPartial::empty();
@@ -251,15 +252,15 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
     for (uint32_t k = 0; k < kBatch; ++k) bias[k] = next_bias[k];
   }
   if constexpr (kStride > 1) merge_token_lanes<Layout::kLanes>(part);
-  if (token_lane != 0) return;
+  if (token_lane != 0 || !slots_ok) return;
 
-  const SoftmaxState out = work.prior_slot >= 0 ? finish_state(part, prior) : finish_state(part);
+  const SoftmaxState out = has_prior ? finish_state(part, prior) : finish_state(part);
   if constexpr (kWritePass) {
     // The compress pass may still be reading this slot (overlap_passes).
     device::PDLWaitPrimary<kUsePDL>();
-    store_state(params.state + static_cast<int64_t>(work.target) * (3 * kHeadDim) + channel, kHeadDim, out);
+    store_state(params.state + static_cast<int64_t>(target_slot) * (3 * kHeadDim) + channel, kHeadDim, out);
   } else {
-    out.kv.store(params.output + static_cast<int64_t>(work.target) * kHeadDim + channel);
+    out.kv.store(params.output + static_cast<int64_t>(work.output_row) * kHeadDim + channel);
   }
 }
 
