@@ -190,7 +190,9 @@ def decode_case(head_dim, batch, device="cuda"):
 PREFILL_CASES = [("1x32768 from 0", 1, 32768, False, 0), ("8x16384 from 0", 8, 16384, False, 0),
                  ("64x1024 random prefix", 64, 1024, True, 0), ("256x300 random prefix", 256, 300, True, 0),
                  # Few rows per SM: one long request with decode tokens riding along.
-                 ("1x8192 + 255x1", 1, 8192, True, 255), ("1x2048 + 63x1", 1, 2048, True, 63)]
+                 ("1x8192 + 255x1", 1, 8192, True, 255), ("1x2048 + 63x1", 1, 2048, True, 63),
+                 # The floor of a call of two passes: a row each.
+                 ("1x128 from 0 + 1x1", 1, 128, False, 1)]
 DECODE_BATCHES = [1, 64, 512, 4096, 32768]
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
