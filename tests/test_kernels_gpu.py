@@ -59,10 +59,11 @@ def test_prefill_heavy_schedule_with_relocation(gpu, use_pdl, cuda_graph):
 @pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])
 def test_every_channel_slice_width(gpu, use_pdl):
     """A pass with many plan rows runs 64-channel slices, one with fewer 32-channel slices, one with
-    few 16-channel slices (``C128Online::launch_pass``; on an H200 at head_dim 512: 132 rows and more,
-    119 to 131, fewer): a 240-request batch runs both passes wide, with and without mid-chunk starts,
-    a batch of ``rows_for_slice_width(...)["mid"]`` requests of 128 tokens from mid-chunk (one
-    compress and one write row each) runs both on 32-channel slices, and a 2-request step narrow."""
+    few 16-channel slices, one with very few 8-channel slices (``C128Online::launch_pass``; on an H200
+    at head_dim 512: 132 rows and more, 119 to 131, 9 to 118, fewer): a 240-request batch runs both
+    passes wide, with and without mid-chunk starts, batches of ``rows_for_slice_width(...)["mid"]``
+    and ``["narrow"]`` requests of 128 tokens from mid-chunk (one compress and one write row each) run
+    both on 32- and 16-channel slices, and a 2-request step on 8-channel slices."""
     module = kernels(512, use_pdl)
     rows = rows_for_slice_width(512, torch.cuda.get_device_properties(0).multi_processor_count)
     h = ScheduleHarness(module, head_dim=512, device="cuda", seed=11, num_slots=250, max_requests=240)
@@ -70,9 +71,10 @@ def test_every_channel_slice_width(gpu, use_pdl):
     h.prefill_step([(r, h.rng.randint(1, 127), None) for r in batch])  # write rows only
     h.prefill_step([(r, h.rng.randint(1, 300), None) for r in batch])  # mid-chunk starts
     h.prefill_step([(r, 128, None) for r in batch[: rows["mid"]]])
+    h.prefill_step([(r, 128, None) for r in batch[: rows["narrow"]]])
     h.prefill_step([(r, 130, None) for r in batch[:2]])
     h.check_live_states()
-    assert h.stats.prefill_calls == 4 and h.stats.rows_checked > 240 + rows["mid"]
+    assert h.stats.prefill_calls == 5 and h.stats.rows_checked > 240 + rows["mid"] + rows["narrow"]
 
 
 @pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])

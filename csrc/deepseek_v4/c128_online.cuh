@@ -33,6 +33,7 @@ inline constexpr int64_t kMaxVerifyTokens = 16;
 inline constexpr uint32_t kWideSliceDim = 64;
 inline constexpr uint32_t kMidSliceDim = 32;
 inline constexpr uint32_t kNarrowSliceDim = 16;
+inline constexpr uint32_t kNarrowestSliceDim = 8;
 /// Rounds of plan decoding (32 items per warp each) a narrow pass may spend
 /// on a padded plan before its extra rounds cost more than they save.
 inline constexpr int64_t kMaxNarrowScanRounds = 4;
@@ -300,7 +301,11 @@ struct C128Online {
   /// whenever its items could fill at least half the resident warps; below
   /// that the middle width if its items fill at least 90% of them (about one
   /// item per warp, 128-byte runs), else the narrow one: a warp that runs
-  /// two items in turn waits out two chains of dependent loads.
+  /// two items in turn waits out two chains of dependent loads. A pass of
+  /// so few rows that even its narrow items fill under an eighth of the
+  /// warps runs 8-channel slices: a 128-token segment then takes two rounds
+  /// of loads instead of four (a pass of one such row 5.7 -> 4.3 us), where
+  /// more items would pay 32-byte runs for nothing (docs/PERF_LOG.md).
   template <bool kWritePass>
   static void launch_pass(PrefillArgs params, DLDevice device) {
     if (params.num_rows == 0) return;
@@ -330,8 +335,12 @@ struct C128Online {
     const int64_t mid_blocks = resident_blocks<kMid, Mid>(device);
     if (rows * Mid::kSlices * 10 >= mid_blocks * Mid::kWarps * 9) {
       launch_grid<kMid, Mid>(params, device, mid_blocks);
-    } else {
+    } else if (rows * Narrow::kSlices * 8 >= narrow_warps) {
       launch_grid<kNarrow, Narrow>(params, device, narrow_blocks);
+    } else {
+      constexpr auto kNarrowest = c128_prefill_kernel<kHeadDim, kNarrowestSliceDim, kWritePass, kUsePDL, StateT>;
+      using Narrowest = PrefillLayout<kHeadDim, kNarrowestSliceDim>;
+      launch_grid<kNarrowest, Narrowest>(params, device, resident_blocks<kNarrowest, Narrowest>(device));
     }
   }
 
