@@ -157,16 +157,16 @@ def bf16_state_flips(got: torch.Tensor, want: torch.Tensor, what: str) -> int:
 
 
 def rows_for_slice_width(head_dim: int, multiprocessors: int) -> dict[str, int]:
-    """Live rows that make one prefill pass run each channel-slice width (``C128Online::launch_pass``:
+    """Live rows that make one prefill pass run 64-, 32- and 16-channel slices (``C128Online::launch_pass``:
     64 channels when the items fill half the resident warps, 32 when they fill 90%, 16 when they fill
-    an eighth, else 8), for a GPU with this many multiprocessors and 16 resident prefill warps on
-    each."""
+    an eighth, else 8; a few rows, as in a step of 2 requests, run 8), for a GPU with this many
+    multiprocessors and 16 resident prefill warps on each."""
     warps = 16 * multiprocessors
     wide = -(-warps // (2 * (head_dim // 64)))  # the fewest rows that run wide
     mid = -(-9 * warps // (10 * (head_dim // 32)))  # the fewest that run 32-channel slices
     narrow = -(-warps // (8 * (head_dim // 16)))  # the fewest that run 16-channel slices
-    assert narrow < mid < wide, "this GPU has no row count that runs 32-channel slices"
-    return {"wide": wide, "mid": (mid + wide - 1) // 2, "narrow": (narrow + mid - 1) // 2, "narrowest": narrow - 1}
+    assert narrow < mid < wide, "this GPU has no row count that runs 32- or 16-channel slices"
+    return {"wide": wide, "mid": (mid + wide - 1) // 2, "narrow": (narrow + mid - 1) // 2}
 
 
 def counts_of(result: Any) -> tuple[int, ...]:
