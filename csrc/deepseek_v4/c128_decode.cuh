@@ -28,6 +28,9 @@ struct DecodeParams {
   const int32_t* __restrict__ seq_lens;    // [B]
   uint32_t batch_size;
   int32_t num_slots;
+  /// Lets the next kernel launch before this grid's loads (see
+  /// C128Online::trigger_next_early).
+  bool trigger_early;
 };
 
 template <int64_t kHeadDim, typename StateT>
@@ -109,11 +112,10 @@ __global__ void __launch_bounds__(DecodeLayout<kHeadDim, StateT>::kMaxThreads,
   const uint32_t request = blockIdx.x * (blockDim.x / Layout::kLanes) + threadIdx.x / Layout::kLanes;
 
   device::PDLWaitPrimary<kUsePDL>();
-  // The next kernel may launch at once: its own wait holds it until this
-  // whole grid has completed, so an early trigger only hides its launch.
-  // (Measured: 512-request bf16 decode 2.48 -> 2.09 us, 64-request float32
-  // 1.56 -> 1.40 us, the rest within noise; docs/PERF_LOG.md.)
-  device::PDLTriggerSecondary<kUsePDL>();
+  // The next kernel's own wait holds it until this whole grid has completed,
+  // so an early trigger only hides its launch. Without one it launches as
+  // the last block exits.
+  if (params.trigger_early) device::PDLTriggerSecondary<kUsePDL>();
   const DecodeLoads<StateT> loads = load_decode_request<kHeadDim>(params, request, lane);
   finish_decode_request<kHeadDim>(params, loads, request, lane);
 }

@@ -117,7 +117,7 @@ struct C128Online {
     const int64_t batch_size = B.unwrap();
     if (batch_size == 0) return;
     using Layout = DecodeLayout<kHeadDim, StateT>;
-    const DecodeParams<StateT> params{
+    DecodeParams<StateT> params{
         .state = data_ptr<StateT>(kv_score_buffer),
         .input = data_ptr<const float>(kv_score_input),
         .output = data_ptr<float>(kv_compressed_output),
@@ -126,6 +126,7 @@ struct C128Online {
         .seq_lens = data_ptr<const int32_t>(seq_lens),
         .batch_size = static_cast<uint32_t>(batch_size),
         .num_slots = num_slots,
+        .trigger_early = false,
     };
     // A small batch spreads over as many multiprocessors as it can fill
     // (it is latency-bound); a large one packs requests into bigger blocks.
@@ -133,6 +134,9 @@ struct C128Online {
     const int64_t per_block = std::clamp<int64_t>((batch_size + sms - 1) / sms, Layout::kMinRequestsPerBlock,
                                                   Layout::kMaxRequestsPerBlock);
     const auto blocks = (batch_size + per_block - 1) / per_block;
+    const int64_t resident_threads =
+        runtime::resident_blocks<kDecodeKernel>(device.unwrap().device_id, Layout::kMaxThreads) * Layout::kMaxThreads;
+    params.trigger_early = trigger_next_early(blocks * per_block * Layout::kLanes, resident_threads);
     LaunchKernel(static_cast<uint32_t>(blocks), static_cast<uint32_t>(per_block * Layout::kLanes), device.unwrap())
         .enable_pdl(kUsePDL)(kDecodeKernel, params);
   }
@@ -282,6 +286,7 @@ struct C128Online {
         .num_slots = num_slots,
         .compact_output = compact_output,
         .overlap_passes = num_compress.unwrap() > 0 && num_write.unwrap() > 0,
+        .trigger_early = false,
     };
     const DLDevice dl_device = device.unwrap();
     // Pass 1 only reads states; pass 2 then overwrites them. Stream order
@@ -315,6 +320,9 @@ struct C128Online {
     const int64_t max_live_rows = kWritePass ? int64_t{params.batch_size}
                                              : int64_t{params.num_tokens} / kC128ChunkSize + params.batch_size;
     params.num_split_rows = static_cast<uint32_t>(std::min<int64_t>(params.num_rows, max_live_rows));
+    // A compress pass that a write pass follows lets it launch at once, so
+    // that its blocks fill the SMs this pass's tail leaves idle.
+    params.trigger_early = !kWritePass && params.overlap_passes;
     constexpr auto kWide = c128_prefill_kernel<kHeadDim, kWideSliceDim, kWritePass, kUsePDL, StateT>;
     using Wide = PrefillLayout<kHeadDim, kWideSliceDim>;
     const int64_t wide_blocks = resident_blocks<kWide, Wide>(device);
@@ -344,13 +352,27 @@ struct C128Online {
     }
   }
 
+  /// \brief Whether a grid of `grid` (blocks or threads) out of `resident`
+  /// that fit the GPU at once lets the next kernel launch right after its
+  /// PDL wait. The next kernel's blocks then take the slots this grid's
+  /// blocks free as they finish: where they cannot all be placed at once,
+  /// they pile onto the SMs that finished first and that kernel runs
+  /// unbalanced (float32 decode of 512 requests at head_dim 1024 4.52 ->
+  /// 3.60 us, 4096 at head_dim 128 4.43 -> 3.55 us without the early launch;
+  /// docs/PERF_LOG.md). Where both grids fit at once, or this one runs in
+  /// several waves anyway, the early launch only hides the next one's.
+  static bool trigger_next_early(int64_t grid, int64_t resident) {
+    return 2 * grid <= resident || grid > resident;
+  }
+
   template <auto kKernel, class Layout>
-  static void launch_grid(const PrefillArgs& params, DLDevice device, int64_t max_blocks) {
+  static void launch_grid(PrefillArgs params, DLDevice device, int64_t max_blocks) {
     // One warp per item up to a full GPU; beyond that warps loop (a grid of
     // mostly-idle blocks would only cost launch and scheduling time).
     const auto num_items = static_cast<int64_t>(pass_items(params, Layout::kSlices));
     const int64_t wanted = (num_items + Layout::kWarps - 1) / Layout::kWarps;
     const auto blocks = static_cast<uint32_t>(std::min(wanted, max_blocks));
+    params.trigger_early = params.trigger_early || trigger_next_early(blocks, max_blocks);
     host::LaunchKernel(blocks, Layout::kThreads, device, Layout::kRingBytes).enable_pdl(kUsePDL)(kKernel, params);
   }
 

@@ -49,6 +49,10 @@ struct PrefillParams {
   /// writes nothing the write pass reads. Its blocks thus fill the SMs the
   /// compress pass's tail leaves idle.
   bool overlap_passes;
+  /// Lets the next kernel launch right after this pass's PDL wait (the
+  /// write pass's launch when overlap_passes; else see
+  /// C128Online::trigger_next_early).
+  bool trigger_early;
 };
 
 /// \brief Work items of a pass whose rows split into `slices` channel slices.
@@ -278,7 +282,7 @@ __global__ void __launch_bounds__(PrefillLayout<kHeadDim, kSliceDim>::kThreads,
   extern __shared__ __align__(16) unsigned char token_ring_bytes[];
   const TokenRing<Layout> ring{reinterpret_cast<Vec*>(token_ring_bytes) + threadIdx.x};
   if (!(kWritePass && params.overlap_passes)) device::PDLWaitPrimary<kUsePDL>();
-  if (!kWritePass && params.overlap_passes) device::PDLTriggerSecondary<kUsePDL>();
+  if (params.trigger_early) device::PDLTriggerSecondary<kUsePDL>();
   const uint64_t split_items = static_cast<uint64_t>(params.num_split_rows) * Layout::kSlices;
   const uint64_t num_items = pass_items(params, Layout::kSlices);
   const uint64_t num_warps = static_cast<uint64_t>(gridDim.x) * Layout::kWarps;
