@@ -282,23 +282,34 @@ def run(args) -> list[Row]:
     return rows, ceiling
 
 
+def verify_case(head_dim, batch, window, device="cuda"):
+    """A verify step of `batch` requests of `window` draft tokens each, at random positions in random
+    slots, and the commit after it: the run_verify arguments (float32 state pool), the accepted
+    lengths, and the bytes each must cross HBM."""
+    tokens = batch * window
+    state = torch.randn(batch, 1, 3 * head_dim, device=device)
+    inputs = torch.randn(tokens, 2 * head_dim, device=device)
+    out = torch.empty(tokens, head_dim, device=device)
+    ape = torch.randn(CHUNK_SIZE, head_dim, device=device)
+    indices = torch.randperm(batch, dtype=torch.int32).to(device)
+    seq_lens = torch.randint(window + 1, 100000, (batch,), dtype=torch.int32).to(device)
+    prefix = torch.empty(tokens, 3 * head_dim, device=device)
+    accept = torch.randint(1, window + 1, (batch,), dtype=torch.int32).to(device)
+    # Verify reads every input row and the committed states and writes every prefix state;
+    # commit reads one prefix state per request and writes its slot.
+    verify_traffic = Traffic(4 * tokens * 2 * head_dim, 3 * head_dim * (batch + tokens))
+    commit_traffic = Traffic(0, 3 * head_dim * 2 * batch)
+    return (state, inputs, out, ape, indices, seq_lens, prefix), accept, verify_traffic, commit_traffic
+
+
 def speculative_rows(impls, head_dim, add) -> None:
     """Verify and commit (T = 4) in CUDA graphs, beside a decode of as many tokens."""
     window = 4
     for batch in (512, 8192):
         tokens = batch * window
         decode_args, decode_traffic = decode_case(head_dim, tokens)
-        state = torch.randn(batch, 1, 3 * head_dim, device="cuda")
-        inputs = torch.randn(tokens, 2 * head_dim, device="cuda")
-        out = torch.empty(tokens, head_dim, device="cuda")
-        ape = torch.randn(CHUNK_SIZE, head_dim, device="cuda")
-        indices = torch.randperm(batch, dtype=torch.int32).cuda()
-        seq_lens = torch.randint(window + 1, 100000, (batch,), dtype=torch.int32).cuda()
-        accept = torch.randint(1, window + 1, (batch,), dtype=torch.int32).cuda()
-        # Verify reads every input row and the committed states and writes every prefix state;
-        # commit reads one prefix state per request and writes its slot.
-        verify_traffic = Traffic(4 * tokens * 2 * head_dim, 3 * head_dim * (batch + tokens))
-        commit_traffic = Traffic(0, 3 * head_dim * 2 * batch)
+        verify_args, accept, verify_traffic, commit_traffic = verify_case(head_dim, batch, window)
+        state, inputs, out, ape, indices, seq_lens, _ = verify_args
         for impl, module, state_dtype in impls:
             if not impl.startswith("flash_compress"):
                 continue

@@ -10,14 +10,15 @@ built as its own JIT variant beside the tree's other kernel files, against the
 tree's ``include/``. Every implementation runs the bench.py
 cases on the same tensors, in rounds that visit every implementation in turn,
 so that drifts of clock and temperature hit all of them alike; the table shows
-the median and the minimum over rounds (us). Prefill cases are timed three
+the median and the minimum over rounds (us). Decode and verify steps (T=4) run
+in CUDA graphs up to B=4096 (verify always). Prefill cases are timed three
 ways: one call with exact plans between events, the same in a CUDA graph of 10
 calls (kernels alone), and with ``use_cuda_graph`` plans. This is how the
 sweeps of docs/PERFORMANCE.md were measured.
 
 ``--check`` first runs every variant and the tree once on each case (prefill
 with exact and padded plans, twice in a row, plus a case that reads its prior
-states from other slots through ``load_indices``; decode) from the same states
+states from other slots through ``load_indices``; decode; verify then commit) from the same states
 into NaN-poisoned outputs, and compares states and outputs bit for bit: a
 variant meant to change speed only must match the tree exactly. It exits 1 on
 any difference.
@@ -68,6 +69,12 @@ def parse_variant(text: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
+#: Verify steps timed beside decode: a batch that fits the GPU at once, one that fills over half of
+#: it (head_dim 512), one of several waves.
+VERIFY_BATCHES = [64, 512, 1536, 8192]
+VERIFY_WINDOW = 4
+
+
 def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtype,
           per_pass: bool = False) -> dict[str, dict[str, tuple]]:
     """case -> impl -> (call, timed in a graph, launches per graph); states in ``state_dtype``
@@ -99,6 +106,14 @@ def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtyp
             a = args if impl == "reference" else (args[0].to(state_dtype), *args[1:])
             out.setdefault(f"decode B={batch}", {})[impl] = (lambda m=m, a=a: m.run_decode(*a, None), batch <= 4096,
                                                              100)
+    for batch in VERIFY_BATCHES:
+        args, _, _, _ = bench.verify_case(head_dim, batch, VERIFY_WINDOW)
+        for impl, m in impls.items():
+            if impl == "reference":  # the reference design has no speculative decoding
+                continue
+            a = (args[0].to(state_dtype), *args[1:6], args[6].to(state_dtype))
+            out.setdefault(f"verify B={batch} T={VERIFY_WINDOW}", {})[impl] = (lambda m=m, a=a: m.run_verify(*a), True,
+                                                                               20)
     return out
 
 
@@ -154,6 +169,18 @@ def check_variants(impls: dict, head_dim: int, state_dtype: torch.dtype) -> int:
             return state, out
 
         compare(f"decode B={batch}", run)
+    for batch in VERIFY_BATCHES:
+        args, accept, _, _ = bench.verify_case(head_dim, batch, VERIFY_WINDOW)
+
+        def run(m, args=args, accept=accept):
+            state, prefix = args[0].to(state_dtype, copy=True), torch.full_like(args[6], float("nan"), dtype=state_dtype)
+            out = torch.full_like(args[2], float("nan"))
+            m.run_verify(state, args[1], out, *args[3:6], prefix)
+            m.run_commit(state, prefix, args[4], accept)
+            torch.cuda.synchronize()
+            return state, prefix, out
+
+        compare(f"verify + commit B={batch} T={VERIFY_WINDOW}", run)
     return differing
 
 

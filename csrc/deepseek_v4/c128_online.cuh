@@ -117,7 +117,16 @@ struct C128Online {
     const int64_t batch_size = B.unwrap();
     if (batch_size == 0) return;
     using Layout = DecodeLayout<kHeadDim, StateT>;
-    DecodeParams<StateT> params{
+    // A small batch spreads over as many multiprocessors as it can fill
+    // (it is latency-bound); a large one packs requests into bigger blocks.
+    const int32_t device_id = device.unwrap().device_id;
+    const int64_t sms = runtime::multiprocessor_count(device_id);
+    const int64_t per_block = std::clamp<int64_t>((batch_size + sms - 1) / sms, Layout::kMinRequestsPerBlock,
+                                                  Layout::kMaxRequestsPerBlock);
+    const auto blocks = (batch_size + per_block - 1) / per_block;
+    const int64_t resident_threads =
+        runtime::resident_blocks<kDecodeKernel>(device_id, Layout::kMaxThreads) * Layout::kMaxThreads;
+    const DecodeParams<StateT> params{
         .state = data_ptr<StateT>(kv_score_buffer),
         .input = data_ptr<const float>(kv_score_input),
         .output = data_ptr<float>(kv_compressed_output),
@@ -126,17 +135,8 @@ struct C128Online {
         .seq_lens = data_ptr<const int32_t>(seq_lens),
         .batch_size = static_cast<uint32_t>(batch_size),
         .num_slots = num_slots,
-        .trigger_early = false,
+        .trigger_early = trigger_next_early(blocks * per_block * Layout::kLanes, resident_threads),
     };
-    // A small batch spreads over as many multiprocessors as it can fill
-    // (it is latency-bound); a large one packs requests into bigger blocks.
-    const int64_t sms = runtime::multiprocessor_count(device.unwrap().device_id);
-    const int64_t per_block = std::clamp<int64_t>((batch_size + sms - 1) / sms, Layout::kMinRequestsPerBlock,
-                                                  Layout::kMaxRequestsPerBlock);
-    const auto blocks = (batch_size + per_block - 1) / per_block;
-    const int64_t resident_threads =
-        runtime::resident_blocks<kDecodeKernel>(device.unwrap().device_id, Layout::kMaxThreads) * Layout::kMaxThreads;
-    params.trigger_early = trigger_next_early(blocks * per_block * Layout::kLanes, resident_threads);
     LaunchKernel(static_cast<uint32_t>(blocks), static_cast<uint32_t>(per_block * Layout::kLanes), device.unwrap())
         .enable_pdl(kUsePDL)(kDecodeKernel, params);
   }
@@ -176,6 +176,10 @@ struct C128Online {
     Checks::state_rows(prefix_states, R, device);
     const int64_t window = tokens_per_request(R.unwrap(), B.unwrap(), "kv_score_input");
     if (B.unwrap() == 0) return;
+    using Layout = VerifyLayout<kHeadDim>;
+    constexpr auto kKernel = c128_verify_kernel<kHeadDim, kUsePDL, StateT>;
+    const int32_t device_id = device.unwrap().device_id;
+    const auto blocks = (B.unwrap() + Layout::kRequestsPerBlock - 1) / Layout::kRequestsPerBlock;
     const VerifyParams<StateT> params{
         .state = data_ptr<const StateT>(kv_score_buffer),
         .input = data_ptr<const float>(kv_score_input),
@@ -187,11 +191,9 @@ struct C128Online {
         .batch_size = static_cast<uint32_t>(B.unwrap()),
         .window = static_cast<uint32_t>(window),
         .num_slots = num_slots,
+        .trigger_early = trigger_next_early(blocks, runtime::resident_blocks<kKernel>(device_id, Layout::kThreads)),
     };
-    using Layout = VerifyLayout<kHeadDim>;
-    const auto blocks = (B.unwrap() + Layout::kRequestsPerBlock - 1) / Layout::kRequestsPerBlock;
-    LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap())
-        .enable_pdl(kUsePDL)(c128_verify_kernel<kHeadDim, kUsePDL, StateT>, params);
+    LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap()).enable_pdl(kUsePDL)(kKernel, params);
   }
 
   /// \brief `run_commit(kv_score_buffer, prefix_states, indices, accept_lens)`: docs/SPEC.md section 9.
@@ -322,7 +324,7 @@ struct C128Online {
     params.num_split_rows = static_cast<uint32_t>(std::min<int64_t>(params.num_rows, max_live_rows));
     // A compress pass that a write pass follows lets it launch at once, so
     // that its blocks fill the SMs this pass's tail leaves idle.
-    params.trigger_early = !kWritePass && params.overlap_passes;
+    const bool starts_write_pass = !kWritePass && params.overlap_passes;
     constexpr auto kWide = c128_prefill_kernel<kHeadDim, kWideSliceDim, kWritePass, kUsePDL, StateT>;
     using Wide = PrefillLayout<kHeadDim, kWideSliceDim>;
     const int64_t wide_blocks = resident_blocks<kWide, Wide>(device);
@@ -335,20 +337,21 @@ struct C128Online {
     const auto narrow_scan_rounds = static_cast<int64_t>(pass_items(params, Narrow::kSlices) / (narrow_warps * 32));
     const int64_t rows = params.num_split_rows;
     if (rows * Wide::kSlices * 2 >= wide_warps || narrow_scan_rounds > kMaxNarrowScanRounds) {
-      launch_grid<kWide, Wide>(params, device, wide_blocks);
+      launch_grid<kWide, Wide>(params, device, wide_blocks, starts_write_pass);
       return;
     }
     constexpr auto kMid = c128_prefill_kernel<kHeadDim, kMidSliceDim, kWritePass, kUsePDL, StateT>;
     using Mid = PrefillLayout<kHeadDim, kMidSliceDim>;
     const int64_t mid_blocks = resident_blocks<kMid, Mid>(device);
     if (rows * Mid::kSlices * 10 >= mid_blocks * Mid::kWarps * 9) {
-      launch_grid<kMid, Mid>(params, device, mid_blocks);
+      launch_grid<kMid, Mid>(params, device, mid_blocks, starts_write_pass);
     } else if (rows * Narrow::kSlices * 8 >= narrow_warps) {
-      launch_grid<kNarrow, Narrow>(params, device, narrow_blocks);
+      launch_grid<kNarrow, Narrow>(params, device, narrow_blocks, starts_write_pass);
     } else {
       constexpr auto kNarrowest = c128_prefill_kernel<kHeadDim, kNarrowestSliceDim, kWritePass, kUsePDL, StateT>;
       using Narrowest = PrefillLayout<kHeadDim, kNarrowestSliceDim>;
-      launch_grid<kNarrowest, Narrowest>(params, device, resident_blocks<kNarrowest, Narrowest>(device));
+      launch_grid<kNarrowest, Narrowest>(params, device, resident_blocks<kNarrowest, Narrowest>(device),
+                                         starts_write_pass);
     }
   }
 
@@ -366,13 +369,13 @@ struct C128Online {
   }
 
   template <auto kKernel, class Layout>
-  static void launch_grid(PrefillArgs params, DLDevice device, int64_t max_blocks) {
+  static void launch_grid(PrefillArgs params, DLDevice device, int64_t max_blocks, bool starts_write_pass) {
     // One warp per item up to a full GPU; beyond that warps loop (a grid of
     // mostly-idle blocks would only cost launch and scheduling time).
     const auto num_items = static_cast<int64_t>(pass_items(params, Layout::kSlices));
     const int64_t wanted = (num_items + Layout::kWarps - 1) / Layout::kWarps;
     const auto blocks = static_cast<uint32_t>(std::min(wanted, max_blocks));
-    params.trigger_early = params.trigger_early || trigger_next_early(blocks, max_blocks);
+    params.trigger_early = starts_write_pass || trigger_next_early(blocks, max_blocks);
     host::LaunchKernel(blocks, Layout::kThreads, device, Layout::kRingBytes).enable_pdl(kUsePDL)(kKernel, params);
   }
 

@@ -49,9 +49,9 @@ struct PrefillParams {
   /// writes nothing the write pass reads. Its blocks thus fill the SMs the
   /// compress pass's tail leaves idle.
   bool overlap_passes;
-  /// Lets the next kernel launch right after this pass's PDL wait (the
-  /// write pass's launch when overlap_passes; else see
-  /// C128Online::trigger_next_early).
+  /// Lets the next kernel launch as soon as this pass starts (after its
+  /// PDL wait, where it waits there): the write pass, when overlap_passes;
+  /// else where C128Online::trigger_next_early says so.
   bool trigger_early;
 };
 

@@ -29,6 +29,9 @@ struct VerifyParams {
   uint32_t batch_size;
   uint32_t window;  // T
   int32_t num_slots;
+  /// Lets the next kernel launch right after this grid's PDL wait (see
+  /// C128Online::trigger_next_early).
+  bool trigger_early;
 };
 
 template <int64_t kHeadDim>
@@ -51,6 +54,7 @@ __global__ void __launch_bounds__(VerifyLayout<kHeadDim>::kThreads)
   const uint32_t window = params.window;
 
   device::PDLWaitPrimary<kUsePDL>();
+  if (params.trigger_early) device::PDLTriggerSecondary<kUsePDL>();
   if (request >= params.batch_size) return;
   const int32_t slot = params.indices[request];
   const int32_t seq_len = params.seq_lens[request];
@@ -61,7 +65,6 @@ __global__ void __launch_bounds__(VerifyLayout<kHeadDim>::kThreads)
   const int64_t channel = lane * kVecWidth;
   SoftmaxState state;
   if (first_pos != 0) state = load_state(params.state + static_cast<int64_t>(slot) * (3 * kHeadDim) + channel, kHeadDim);
-  device::PDLTriggerSecondary<kUsePDL>();
 
   for (uint32_t j0 = 0; j0 < window; j0 += kAhead) {
     Vec kv[kAhead], score[kAhead], bias[kAhead];
