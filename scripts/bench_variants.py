@@ -1,7 +1,7 @@
 """Time edited copies of the kernel header against the tree (and the reference design) in one process.
 
     python scripts/bench_variants.py [--reference SEED] [--rounds 5] [--decode-only] [--state-dtype bfloat16]
-                                     [--per-pass] [--prefill-only] [--check] NAME=PATH ...
+                                     [--per-pass] [--prefill-only] [--check] [--decode-batches B ...] NAME=PATH ...
 
 Each NAME=PATH is a variant of the kernel files in ``csrc/deepseek_v4/``: PATH
 is a folder whose files replace their namesakes (e.g. an edited
@@ -75,8 +75,8 @@ VERIFY_BATCHES = [64, 512, 1536, 8192]
 VERIFY_WINDOW = 4
 
 
-def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtype,
-          per_pass: bool = False) -> dict[str, dict[str, tuple]]:
+def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtype, per_pass: bool = False,
+          decode_batches: list[int] = bench.DECODE_BATCHES) -> dict[str, dict[str, tuple]]:
     """case -> impl -> (call, timed in a graph, launches per graph); states in ``state_dtype``
     (the reference design's in float32)."""
     out: dict[str, dict[str, tuple]] = {}
@@ -100,7 +100,7 @@ def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtyp
                 out.setdefault(f"prefill {name} compress pass", {})[impl] = (
                     lambda c=call, p=compress_only: c(p), True, 10)
                 out.setdefault(f"prefill {name} write pass", {})[impl] = (lambda c=call, p=write_only: c(p), True, 10)
-    for batch in bench.DECODE_BATCHES:
+    for batch in decode_batches:
         args, _ = bench.decode_case(head_dim, batch)
         for impl, m in impls.items():
             a = args if impl == "reference" else (args[0].to(state_dtype), *args[1:])
@@ -195,6 +195,8 @@ def main() -> int:
     parser.add_argument("--per-pass", action="store_true", help="also time each prefill pass alone, in graph")
     parser.add_argument("--prefill-only", action="store_true")
     parser.add_argument("--check", action="store_true", help="first compare every variant with the tree, bitwise")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=bench.DECODE_BATCHES, metavar="B",
+                        help=f"decode batch sizes to time (default {' '.join(map(str, bench.DECODE_BATCHES))})")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_variants.py needs a CUDA GPU", file=sys.stderr)
@@ -214,7 +216,8 @@ def main() -> int:
     if args.check and check_variants(impls, args.head_dim, bench.STATE_DTYPES[args.state_dtype]):
         print("check: variants differ from the tree (above); nothing timed", file=sys.stderr)
         return 1
-    timed = cases(impls, args.head_dim, args.decode_only, bench.STATE_DTYPES[args.state_dtype], args.per_pass)
+    timed = cases(impls, args.head_dim, args.decode_only, bench.STATE_DTYPES[args.state_dtype], args.per_pass,
+                  args.decode_batches)
     if args.prefill_only:
         timed = {case: per_impl for case, per_impl in timed.items() if case.startswith("prefill")}
     timings: dict[str, dict[str, list[float]]] = {}

@@ -89,6 +89,28 @@ def test_decode_through_several_chunks(gpu, use_pdl):
     assert h.stats.decode_closes >= 8
 
 
+def test_decode_and_verify_batches_that_fill_most_of_the_gpu(gpu):
+    """Decode and verify grids that fill over half of the GPU but fit it at once launch the next
+    kernel early with each SM capped at their share of blocks, through dynamic shared memory no
+    thread uses (``C128Online::next_kernel_launch``; float32 at head_dim 512 on an H200: decode
+    of 793 to 1584 requests, verify of 1057 to 2112). Batches of 4 to 16 requests per SM, the
+    capped ones among them, decode through chunk ends and verify then commit, against the float64
+    oracle, with poisoned outputs and untouched slots checked bitwise."""
+    module = kernels(512, True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sizes = [per_sm * sms for per_sm in (4, 6, 8, 10, 12, 16)]
+    h = ScheduleHarness(module, head_dim=512, device="cuda", seed=13, num_slots=max(sizes) + 8,
+                        max_requests=max(sizes))
+    batch = [h.start_request() for _ in range(max(sizes))]
+    h.prefill_step([(r, h.rng.randint(1, 127), None) for r in batch])  # write rows only
+    for size in sizes:
+        h.decode_step(batch[:size])
+        h.verify_step(batch[:size], window=4)
+    h.check_live_states()
+    assert h.stats.decode_calls == len(sizes) and h.stats.verify_calls == len(sizes)
+    assert h.stats.decode_closes > 0 and h.stats.verify_closes > 0
+
+
 def test_planner_from_reference_kernels_from_module(gpu):
     """The kernels accept the reference planner's plans (the same bytes) too."""
     module = kernels(128, True)

@@ -124,8 +124,8 @@ struct C128Online {
     const int64_t per_block = std::clamp<int64_t>((batch_size + sms - 1) / sms, Layout::kMinRequestsPerBlock,
                                                   Layout::kMaxRequestsPerBlock);
     const auto blocks = (batch_size + per_block - 1) / per_block;
-    const int64_t resident_threads =
-        runtime::resident_blocks<kDecodeKernel>(device_id, Layout::kMaxThreads) * Layout::kMaxThreads;
+    const size_t early_launch_smem = smem_for_early_launch<kDecodeKernel>(
+        device_id, blocks, runtime::resident_blocks<kDecodeKernel>(device_id, Layout::kMaxThreads));
     const DecodeParams<StateT> params{
         .state = data_ptr<StateT>(kv_score_buffer),
         .input = data_ptr<const float>(kv_score_input),
@@ -135,9 +135,10 @@ struct C128Online {
         .seq_lens = data_ptr<const int32_t>(seq_lens),
         .batch_size = static_cast<uint32_t>(batch_size),
         .num_slots = num_slots,
-        .trigger_early = trigger_next_early(blocks * per_block * Layout::kLanes, resident_threads),
+        .trigger_early = true,
     };
-    LaunchKernel(static_cast<uint32_t>(blocks), static_cast<uint32_t>(per_block * Layout::kLanes), device.unwrap())
+    LaunchKernel(static_cast<uint32_t>(blocks), static_cast<uint32_t>(per_block * Layout::kLanes), device.unwrap(),
+                 early_launch_smem)
         .enable_pdl(kUsePDL)(kDecodeKernel, params);
   }
 
@@ -180,6 +181,8 @@ struct C128Online {
     constexpr auto kKernel = c128_verify_kernel<kHeadDim, kUsePDL, StateT>;
     const int32_t device_id = device.unwrap().device_id;
     const auto blocks = (B.unwrap() + Layout::kRequestsPerBlock - 1) / Layout::kRequestsPerBlock;
+    const size_t early_launch_smem = smem_for_early_launch<kKernel>(
+        device_id, blocks, runtime::resident_blocks<kKernel>(device_id, Layout::kThreads));
     const VerifyParams<StateT> params{
         .state = data_ptr<const StateT>(kv_score_buffer),
         .input = data_ptr<const float>(kv_score_input),
@@ -191,9 +194,9 @@ struct C128Online {
         .batch_size = static_cast<uint32_t>(B.unwrap()),
         .window = static_cast<uint32_t>(window),
         .num_slots = num_slots,
-        .trigger_early = trigger_next_early(blocks, runtime::resident_blocks<kKernel>(device_id, Layout::kThreads)),
     };
-    LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap()).enable_pdl(kUsePDL)(kKernel, params);
+    LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap(), early_launch_smem)
+        .enable_pdl(kUsePDL)(kKernel, params);
   }
 
   /// \brief `run_commit(kv_score_buffer, prefix_states, indices, accept_lens)`: docs/SPEC.md section 9.
@@ -355,17 +358,36 @@ struct C128Online {
     }
   }
 
-  /// \brief Whether a grid of `grid` (blocks or threads) out of `resident`
-  /// that fit the GPU at once lets the next kernel launch right after its
+  /// \brief Whether a grid of `grid` blocks, out of `resident` that fit
+  /// the GPU at once, lets the next kernel launch right after its
   /// PDL wait. The next kernel's blocks then take the slots this grid's
   /// blocks free as they finish: where they cannot all be placed at once,
   /// they pile onto the SMs that finished first and that kernel runs
-  /// unbalanced (float32 decode of 512 requests at head_dim 1024 4.52 ->
-  /// 3.60 us, 4096 at head_dim 128 4.43 -> 3.55 us without the early launch;
-  /// docs/PERF_LOG.md). Where both grids fit at once, or this one runs in
-  /// several waves anyway, the early launch only hides the next one's.
+  /// unbalanced. Where both grids fit at once, or this one runs in several
+  /// waves anyway, the early launch only hides the next one's.
   static bool trigger_next_early(int64_t grid, int64_t resident) {
     return 2 * grid <= resident || grid > resident;
+  }
+
+  /// \brief Dynamic shared memory (unused by its threads) for a decode or
+  /// verify grid of `blocks` blocks of `kKernel`, `resident` of which fit
+  /// the GPU at once, that launches the next kernel right after its PDL
+  /// wait. Where trigger_next_early says no, it caps each SM at this grid's
+  /// share of blocks, so that the next kernel's blocks cannot pile up
+  /// either (float32 decode of 512 requests at head_dim 1024 3.55 -> 3.36
+  /// us against no early launch, 1024 at head_dim 512 3.50 -> 3.34 us;
+  /// docs/PERF_LOG.md); a share of all of an SM's slots needs no cap. The
+  /// carveout is left to the driver: preferring shared memory slowed the
+  /// grids of more than one wave.
+  template <auto kKernel>
+  static size_t smem_for_early_launch(int32_t device_id, int64_t blocks, int64_t resident) {
+    if (trigger_next_early(blocks, resident)) return 0;
+    const int64_t sms = host::runtime::multiprocessor_count(device_id);
+    const int64_t share = (blocks + sms - 1) / sms;
+    if (share >= resident / sms) return 0;
+    host::runtime::allow_dynamic_smem<kKernel>(device_id, host::runtime::max_dynamic_smem(device_id),
+                                               /*prefer_shared=*/false);
+    return host::runtime::smem_capping_residency(device_id, share);
   }
 
   template <auto kKernel, class Layout>

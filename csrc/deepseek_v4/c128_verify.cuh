@@ -29,9 +29,6 @@ struct VerifyParams {
   uint32_t batch_size;
   uint32_t window;  // T
   int32_t num_slots;
-  /// Lets the next kernel launch right after this grid's PDL wait (see
-  /// C128Online::trigger_next_early).
-  bool trigger_early;
 };
 
 template <int64_t kHeadDim>
@@ -54,7 +51,9 @@ __global__ void __launch_bounds__(VerifyLayout<kHeadDim>::kThreads)
   const uint32_t window = params.window;
 
   device::PDLWaitPrimary<kUsePDL>();
-  if (params.trigger_early) device::PDLTriggerSecondary<kUsePDL>();
+  // The next kernel's own wait holds it until this grid has completed; the
+  // host keeps its blocks balanced (C128Online::smem_for_early_launch).
+  device::PDLTriggerSecondary<kUsePDL>();
   if (request >= params.batch_size) return;
   const int32_t slot = params.indices[request];
   const int32_t seq_len = params.seq_lens[request];
