@@ -92,10 +92,11 @@ def test_decode_through_several_chunks(gpu, use_pdl):
 def test_decode_and_verify_batches_that_fill_most_of_the_gpu(gpu):
     """Decode and verify grids that fill over half of the GPU but fit it at once launch the next
     kernel early with each SM capped at their share of blocks, through dynamic shared memory no
-    thread uses (``C128Online::next_kernel_launch``; float32 at head_dim 512 on an H200: decode
-    of 793 to 1584 requests, verify of 1057 to 2112). Batches of 4 to 16 requests per SM, the
-    capped ones among them, decode through chunk ends and verify then commit, against the float64
-    oracle, with poisoned outputs and untouched slots checked bitwise."""
+    thread uses (``C128Online::smem_for_early_launch``; float32 at head_dim 512 on an H200, decode
+    at 6 blocks of 2 requests per SM: 793 to 1584 requests, capped up to 1320; verify at 5 blocks
+    of one request per SM, 96 registers: 331 to 660, capped up to 528). Batches of 4 to 16
+    requests per SM, capped ones among them, decode through chunk ends and verify then commit,
+    against the float64 oracle, with poisoned outputs and untouched slots checked bitwise."""
     module = kernels(512, True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     sizes = [per_sm * sms for per_sm in (4, 6, 8, 10, 12, 16)]
