@@ -376,12 +376,12 @@ struct C128Online {
   /// share of blocks, so that the next kernel's blocks cannot pile up
   /// either (float32 decode of 512 requests at head_dim 1024 3.55 -> 3.36
   /// us against no early launch, 1024 at head_dim 512 3.50 -> 3.34 us;
-  /// docs/PERF_LOG.md); a share of all of an SM's slots needs no cap. The
-  /// carveout is left to the driver: preferring shared memory slowed the
-  /// grids of more than one wave.
+  /// docs/PERF_LOG.md); a share of all of an SM's slots needs no cap, nor
+  /// does a launch without PDL. The carveout is left to the driver:
+  /// preferring shared memory slowed the grids of more than one wave.
   template <auto kKernel>
   static size_t smem_for_early_launch(int32_t device_id, int64_t blocks, int64_t resident) {
-    if (trigger_next_early(blocks, resident)) return 0;
+    if (!kUsePDL || trigger_next_early(blocks, resident)) return 0;
     const int64_t sms = host::runtime::multiprocessor_count(device_id);
     const int64_t share = (blocks + sms - 1) / sms;
     if (share >= resident / sms) return 0;
