@@ -309,12 +309,12 @@ def speculative_rows(impls, head_dim, add) -> None:
         tokens = batch * window
         decode_args, decode_traffic = decode_case(head_dim, tokens)
         verify_args, accept, verify_traffic, commit_traffic = verify_case(head_dim, batch, window)
-        state, inputs, out, ape, indices, seq_lens, _ = verify_args
+        state, inputs, out, ape, indices, seq_lens, prefix_f32 = verify_args
         for impl, module, state_dtype in impls:
             if not impl.startswith("flash_compress"):
                 continue
             pool = state.to(state_dtype)
-            prefix = torch.empty(tokens, 3 * head_dim, dtype=state_dtype, device="cuda")
+            prefix = prefix_f32.to(state_dtype)  # the same tensor for float32 states
             decode_state = decode_args[0].to(state_dtype)
 
             def verify(m=module, pool=pool, prefix=prefix):

@@ -69,8 +69,9 @@ def parse_variant(text: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
-#: Verify steps timed beside decode: a batch that fits the GPU at once, one that fills over half of
-#: it (head_dim 512), one of several waves.
+#: Verify steps timed beside decode. On an H200: 64 requests fit the GPU at once; 512 fill over half
+#: of it at head_dim 512 (float32: 5 blocks of one request per SM), 1536 at head_dim 128; 8192 run in
+#: several waves.
 VERIFY_BATCHES = [64, 512, 1536, 8192]
 VERIFY_WINDOW = 4
 
