@@ -220,7 +220,7 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
       const uint32_t t = token_lane + round * kRoundTokens + k * kStride;
-      if (t < work.window_len) bias[k].load(first_bias + static_cast<int64_t>(t) * kHeadDim);
+      if (t < work.window_len) bias[k].load_read_only(first_bias + static_cast<int64_t>(t) * kHeadDim);
     }
   };
 

@@ -55,8 +55,8 @@ __global__ void __launch_bounds__(VerifyLayout<kHeadDim>::kThreads)
   // host keeps its blocks balanced (C128Online::smem_for_early_launch).
   device::PDLTriggerSecondary<kUsePDL>();
   if (request >= params.batch_size) return;
-  const int32_t slot = params.indices[request];
-  const int32_t seq_len = params.seq_lens[request];
+  const int32_t slot = __ldg(params.indices + request);
+  const int32_t seq_len = __ldg(params.seq_lens + request);
   // Values the host cannot check without a sync: such a request is skipped.
   if (seq_len < static_cast<int32_t>(window) || slot < 0 || slot >= params.num_slots) return;
   const uint32_t first_pos = static_cast<uint32_t>(seq_len - static_cast<int32_t>(window)) % kC128ChunkSize;
@@ -71,9 +71,9 @@ __global__ void __launch_bounds__(VerifyLayout<kHeadDim>::kThreads)
     for (uint32_t k = 0; k < kAhead; ++k) {
       if (j0 + k < window) {
         const float* token = params.input + (first_row + j0 + k) * (2 * kHeadDim) + channel;
-        kv[k].load(token);
-        score[k].load(token + kHeadDim);
-        bias[k].load(params.ape + ((first_pos + j0 + k) % kC128ChunkSize) * kHeadDim + channel);
+        kv[k].load_read_only(token);
+        score[k].load_read_only(token + kHeadDim);
+        bias[k].load_read_only(params.ape + ((first_pos + j0 + k) % kC128ChunkSize) * kHeadDim + channel);
       }
     }
 #pragma unroll
