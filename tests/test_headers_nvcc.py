@@ -41,6 +41,15 @@ __global__ void surface(const float* in, float* out, device::bf16_t* half_out) {
   v[0] = device::warp::reduce_max<8>(v[0]) + device::warp::reduce_sum<device::kWarpThreads>(v[1]);
   tile.store(out, v, 0);
   half_out[threadIdx.x] = device::cast<device::bf16_t>(v[0]);
+  // The read-only load at each vector size it maps to a word for: 16, 8, 4 and 2 bytes.
+  v.load_read_only(in, threadIdx.x);
+  device::AlignedVector<device::bf16_t, 4> halves;
+  halves.load_read_only(in, threadIdx.x);
+  device::AlignedVector<float, 1> one;
+  one.load_read_only(in, threadIdx.x);
+  device::AlignedVector<device::bf16_t, 1> half;
+  half.load_read_only(in, threadIdx.x);
+  out[threadIdx.x] = v[1] + device::cast<float>(halves[2]) + one[0] + device::cast<float>(half[0]);
   device::PDLTriggerSecondary<true>();
 }
 
