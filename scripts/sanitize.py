@@ -23,8 +23,9 @@ host<->device copies and our kernels; no torch kernel runs to report on):
    window), then verify + commit steps with values only the device sees
    (accepted lengths 0 or above T, slots outside the pool, seq_len < T); the
    float32 variant runs the same verify steps;
-5. a batch just large enough that both prefill passes run 32-channel slices
-   (the middle of the three widths ``C128Online::launch_pass`` picks from).
+5. the fewest requests whose write-only step, and then whose compress pass,
+   run 32-channel slices (one of the four widths ``C128Online::launch_pass``
+   picks from).
 
 torch's caching allocator is off in the driver (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``),
 so every tensor is its own cudaMalloc and memcheck sees the exact bounds.
@@ -132,7 +133,7 @@ def _driver(use_pdl: bool) -> None:
               f"{h.stats.decode_calls} decode calls, verify steps done", flush=True)
 
     # 5. 32-channel slices: one write row per request, then one compress and one write row each.
-    mid = rows_for_slice_width(HEAD_DIM, torch.cuda.get_device_properties(0).multi_processor_count)["mid"]
+    mid = rows_for_slice_width(HEAD_DIM, torch.cuda.get_device_properties(0).multi_processor_count)[32]
     h = ScheduleHarness(run, head_dim=HEAD_DIM, device="cpu", seed=6, num_slots=mid + 1, max_requests=mid)
     batch = [h.start_request() for _ in range(mid)]
     h.prefill_step([(r, 60, None) for r in batch])

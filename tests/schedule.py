@@ -102,6 +102,7 @@ from device_values import INT32_MAX, INT32_MIN, bad_slots
 from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE, PADDING_ROW, ROW_BYTES, decode_rows
 
 __all__ = [
+    "SLICE_WIDTHS",
     "SHADOW_MAX_FLIP_RATE",
     "SHADOW_ROW_RTOL",
     "Request",
@@ -112,6 +113,8 @@ __all__ = [
     "choose_extend",
     "counts_of",
     "plan_with",
+    "prefill_pass",
+    "rows_for_slice_width",
     "run_schedule",
 ]
 
@@ -156,17 +159,53 @@ def bf16_state_flips(got: torch.Tensor, want: torch.Tensor, what: str) -> int:
     return int(differ.sum())
 
 
-def rows_for_slice_width(head_dim: int, multiprocessors: int) -> dict[str, int]:
-    """Live rows that make one prefill pass run 64-, 32- and 16-channel slices (``C128Online::launch_pass``:
-    64 channels when the items fill half the resident warps, 32 when they fill 90%, 16 when they fill
-    an eighth, else 8; a few rows, as in a step of 2 requests, run 8), for a GPU with this many
-    multiprocessors and 16 resident prefill warps on each."""
-    warps = 16 * multiprocessors
-    wide = -(-warps // (2 * (head_dim // 64)))  # the fewest rows that run wide
-    mid = -(-9 * warps // (10 * (head_dim // 32)))  # the fewest that run 32-channel slices
-    narrow = -(-warps // (8 * (head_dim // 16)))  # the fewest that run 16-channel slices
-    assert narrow < mid < wide, "this GPU has no row count that runs 32- or 16-channel slices"
-    return {"wide": wide, "mid": (mid + wide - 1) // 2, "narrow": (narrow + mid - 1) // 2}
+#: Channel slice widths a prefill pass may run with, widest first (``c128_online.cuh``).
+SLICE_WIDTHS = (64, 32, 16, 8)
+
+
+def prefill_pass(rows: int, head_dim: int, multiprocessors: int,
+                 beside: Optional[tuple[int, int, int]] = None) -> tuple[int, int, int]:
+    """``(width, grid, chain)`` that ``C128Online::launch_pass`` picks for a pass of ``rows`` live rows
+    (no padding rows), on a GPU with this many multiprocessors and 16 resident prefill warps (8
+    blocks) on each; ``beside``: what it picked for the compress pass a write pass starts beside. A
+    mirror of its rule, for tests that must reach every width: the width whose busiest warp has the
+    shortest chain of dependent loads (waves of items times rounds per 128-token segment), a
+    narrower width only where it cuts the chain, 16 or 8 channels (runs of 64 bytes or less) only
+    where they halve the shortest chain of the longer-run widths, 8 channels only where their items
+    fill at most a quarter of the warps; a write pass beside a compress pass where its grid fits in
+    the slots left free and the two chains side by side take no longer than in turn."""
+    resident = 8 * multiprocessors
+    options = []
+    for width in SLICE_WIDTHS:
+        items = rows * (head_dim // width)
+        if width == 8 and 4 * items > 2 * resident:
+            continue
+        chain = -(-items // (2 * resident)) * -(-CHUNK_SIZE // (4 * (32 // (width // 4))))
+        options.append((width, min(-(-items // 2), resident), chain))
+
+    def shortest(candidates):
+        best = None
+        for width, blocks, chain in candidates:
+            short = width * 4 <= 64
+            if best is None or ((2 * chain <= best[2]) if short and best[0] * 4 > 64 else chain < best[2]):
+                best = (width, blocks, chain)
+        return best
+
+    chosen = shortest(options)
+    if beside is not None:
+        fitting = shortest([o for o in options if o[1] + beside[1] <= resident])
+        if fitting is not None and max(fitting[2], beside[2]) <= beside[2] + chosen[2]:
+            chosen = fitting
+    return chosen
+
+
+def rows_for_slice_width(head_dim: int, multiprocessors: int) -> dict[int, int]:
+    """Width -> the fewest live rows of a compress pass that run it (:func:`prefill_pass`)."""
+    found: dict[int, int] = {}
+    for rows in range(1, 64 * multiprocessors):
+        found.setdefault(prefill_pass(rows, head_dim, multiprocessors)[0], rows)
+    assert set(found) == set(SLICE_WIDTHS), f"this GPU has no row count for widths {set(SLICE_WIDTHS) - set(found)}"
+    return found
 
 
 def counts_of(result: Any) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ import torch
 
 from flash_compress import reference as ref
 from flash_compress.plan_rows import CHUNK_SIZE
-from schedule import ScheduleHarness, plan_with, rows_for_slice_width, run_schedule
+from schedule import SLICE_WIDTHS, ScheduleHarness, plan_with, prefill_pass, rows_for_slice_width, run_schedule
 
 pytestmark = pytest.mark.gpu
 
@@ -58,23 +58,30 @@ def test_prefill_heavy_schedule_with_relocation(gpu, use_pdl, cuda_graph):
 
 @pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])
 def test_every_channel_slice_width(gpu, use_pdl):
-    """A pass with many plan rows runs 64-channel slices, one with fewer 32-channel slices, one with
-    few 16-channel slices, one with very few 8-channel slices (``C128Online::launch_pass``; on an H200
-    at head_dim 512: 132 rows and more, 119 to 131, 9 to 118, fewer): a 240-request batch runs both
-    passes wide, with and without mid-chunk starts, batches of ``rows_for_slice_width(...)["mid"]``
-    and ``["narrow"]`` requests of 128 tokens from mid-chunk (one compress and one write row each) run
-    both on 32- and 16-channel slices, and a 2-request step on 8-channel slices."""
+    """Each prefill pass runs each of its four channel slice widths in some step
+    (``C128Online::launch_pass``, mirrored by ``prefill_pass``; on an H200 at head_dim 512 a
+    compress pass of 1-8 rows runs 8 channels, 9-66 16, 67-132 32, 133-264 64): write-only steps of
+    ``rows[32]`` and then 240 requests, a step of mid-chunk starts, then for each width the fewest
+    requests whose compress pass runs it, 128 tokens from mid-chunk (one compress and at most one
+    write row each). The widths the steps reach are asserted through the mirror, the results
+    against the float64 oracle."""
     module = kernels(512, use_pdl)
-    rows = rows_for_slice_width(512, torch.cuda.get_device_properties(0).multi_processor_count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = rows_for_slice_width(512, sms)
     h = ScheduleHarness(module, head_dim=512, device="cuda", seed=11, num_slots=250, max_requests=240)
     batch = [h.start_request() for _ in range(240)]
-    h.prefill_step([(r, h.rng.randint(1, 127), None) for r in batch])  # write rows only
+    reached: set[tuple[str, int]] = set()
+    h.prefill_step([(r, h.rng.randint(1, 100), None) for r in batch[: rows[32]]])  # write rows only
+    h.prefill_step([(r, h.rng.randint(1, 27), None) for r in batch])  # write rows only, none closes
+    reached |= {("write", prefill_pass(rows[32], 512, sms)[0]), ("write", prefill_pass(240, 512, sms)[0])}
     h.prefill_step([(r, h.rng.randint(1, 300), None) for r in batch])  # mid-chunk starts
-    h.prefill_step([(r, 128, None) for r in batch[: rows["mid"]]])
-    h.prefill_step([(r, 128, None) for r in batch[: rows["narrow"]]])
-    h.prefill_step([(r, 130, None) for r in batch[:2]])
+    for width, count in sorted(rows.items()):
+        h.prefill_step([(r, 128, None) for r in batch[:count]])
+        compress = prefill_pass(count, 512, sms)
+        reached |= {("compress", compress[0]), ("write", prefill_pass(count, 512, sms, beside=compress)[0])}
     h.check_live_states()
-    assert h.stats.prefill_calls == 5 and h.stats.rows_checked > 240 + rows["mid"] + rows["narrow"]
+    assert reached == {(p, w) for p in ("compress", "write") for w in SLICE_WIDTHS}, sorted(reached)
+    assert h.stats.prefill_calls == 7 and h.stats.rows_checked >= sum(rows.values())  # a row per 128-token request
 
 
 @pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])

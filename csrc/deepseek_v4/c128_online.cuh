@@ -15,6 +15,7 @@
 #include <tvm/ffi/optional.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <limits>
 
@@ -298,64 +299,129 @@ struct C128Online {
     // (PDL waits included) keeps every read of a slot before its write.
     params.plan = data_ptr<const PrefillPlan>(compress_plan);
     params.num_rows = static_cast<uint32_t>(num_compress.unwrap());
-    launch_pass</*kWritePass=*/false>(params, dl_device);
+    const SliceOption compress_pass = launch_pass</*kWritePass=*/false>(params, dl_device);
     params.plan = data_ptr<const PrefillPlan>(write_plan);
     params.num_rows = static_cast<uint32_t>(num_write.unwrap());
-    launch_pass</*kWritePass=*/true>(params, dl_device);
+    launch_pass</*kWritePass=*/true>(params, dl_device, params.overlap_passes ? &compress_pass : nullptr);
   }
 
-  /// \brief Launches one pass over `params.num_rows` plan rows. Wide slices
-  /// read whole 256-byte runs per token, but give a pass of few rows few
-  /// items, each a long chain of dependent loads; each halving of the width
-  /// doubles the items and the token lanes per segment. The wide form runs
-  /// whenever its items could fill at least half the resident warps; below
-  /// that the middle width if its items fill at least 90% of them (about one
-  /// item per warp, 128-byte runs), else the narrow one: a warp that runs
-  /// two items in turn waits out two chains of dependent loads. A pass of
-  /// so few rows that even its narrow items fill under an eighth of the
-  /// warps runs 8-channel slices: a 128-token segment then takes two rounds
-  /// of loads instead of four (a pass of one such row 5.7 -> 4.3 us), where
-  /// more items would pay 32-byte runs for nothing (docs/PERF_LOG.md).
+  /// \brief How a pass would run at one slice width, as the host can judge
+  /// it from counts alone (the segments' lengths are on the device).
+  struct SliceOption {
+    uint32_t slice_dim;
+    int64_t blocks;    // its grid
+    int64_t resident;  // its blocks that fit the GPU at once
+    /// Rounds of dependent token loads of its busiest warp, every segment a
+    /// full chunk: waves of items times the rounds one item takes.
+    int64_t chain;
+    /// Whether the pass may run it: its warps must skip the padding rows of
+    /// a CUDA-graph plan quickly enough (the widest always may), and 8-channel
+    /// slices need a pass so small that their items fill at most a quarter of
+    /// the warps. Where they fill more, the pass moves enough bytes that
+    /// 32-byte runs cost more than the rounds they save, and its grid leaves
+    /// no room for a write pass beside it (head_dim 256, 1 x 8192 + 255 x 1
+    /// tokens: 10.1 -> 13.3 us; docs/PERF_LOG.md).
+    bool eligible;
+  };
+
+  template <bool kWritePass, uint32_t kSliceDim>
+  static SliceOption slice_option(const PrefillArgs& params, DLDevice device) {
+    using Layout = PrefillLayout<kHeadDim, kSliceDim>;
+    constexpr auto kKernel = c128_prefill_kernel<kHeadDim, kSliceDim, kWritePass, kUsePDL, StateT>;
+    constexpr int64_t kRoundsPerChunk =
+        (kC128ChunkSize + Layout::kTokenLanes * Layout::kBatch - 1) / (Layout::kTokenLanes * Layout::kBatch);
+    const int64_t resident = resident_blocks<kKernel, Layout>(device);
+    const int64_t warps = resident * Layout::kWarps;
+    const int64_t split_items = int64_t{params.num_split_rows} * Layout::kSlices;
+    const auto items = static_cast<int64_t>(pass_items(params, Layout::kSlices));
+    // Every warp decodes 32 items per round, padding rows included.
+    const int64_t scan_rounds = items / (warps * ::device::kWarpThreads);
+    return SliceOption{
+        .slice_dim = kSliceDim,
+        .blocks = std::min((items + Layout::kWarps - 1) / Layout::kWarps, resident),
+        .resident = resident,
+        .chain = (split_items + warps - 1) / warps * kRoundsPerChunk,
+        .eligible = kSliceDim == kWideSliceDim ||
+                    (scan_rounds <= kMaxNarrowScanRounds && (kSliceDim != kNarrowestSliceDim || 4 * items <= warps)),
+    };
+  }
+
+  /// \brief Of the options that `fits`, widest first, the one with the
+  /// shortest chain: a narrower slice must cut it, and one of 64-byte runs
+  /// or shorter (16 or 8 float32 channels) must halve the shortest chain of
+  /// the longer-run widths, because where a pass streams at the bandwidth
+  /// limit such runs move fewer bytes per DRAM burst (head_dim 512, 8 x
+  /// 16384 tokens: 127 us with 64-channel slices, 131 with 32, 173 with 16;
+  /// docs/PERF_LOG.md). Null if none fits.
+  template <class Fits>
+  static const SliceOption* shortest_chain(const std::array<SliceOption, 4>& options, Fits fits) {
+    const SliceOption* best = nullptr;
+    for (const SliceOption& option : options) {
+      if (!option.eligible || !fits(option)) continue;
+      const bool short_runs = option.slice_dim * sizeof(float) <= 64;
+      const bool best_short_runs = best != nullptr && best->slice_dim * sizeof(float) <= 64;
+      if (best == nullptr || (short_runs && !best_short_runs ? 2 * option.chain <= best->chain
+                                                             : option.chain < best->chain)) {
+        best = &option;
+      }
+    }
+    return best;
+  }
+
+  /// \brief Launches one pass over `params.num_rows` plan rows; returns the
+  /// option it ran. Wide slices read whole 256-byte runs per token, but
+  /// give a pass of few rows few items, each a long chain of dependent
+  /// loads; each halving of the width doubles the items and the token lanes
+  /// per segment, and halves the rounds of loads one item takes. The width
+  /// is the one whose busiest warp has the shortest chain (shortest_chain):
+  /// this counts waves as well, so that 593 compress rows at head_dim 512
+  /// run 32-channel slices (5 waves of 8 rounds; 64-channel ones would take
+  /// 3 waves of 16), 256 rows 64-channel ones (one wave of 16 either way).
+  /// A write pass that starts `beside` a compress pass runs alongside it
+  /// where its grid fits in the slots that pass leaves free, if the two
+  /// chains side by side take no longer than the two in turn (head_dim 128,
+  /// 256 x 300 tokens: 28.6 -> 25.9 us with 64-channel slices beside the
+  /// compress pass where 16-channel ones ran after it; docs/PERF_LOG.md).
   template <bool kWritePass>
-  static void launch_pass(PrefillArgs params, DLDevice device) {
-    if (params.num_rows == 0) return;
+  static SliceOption launch_pass(PrefillArgs params, DLDevice device, const SliceOption* beside = nullptr) {
+    if (params.num_rows == 0) return SliceOption{};
     // A request has at most one write row, and a compress row per chunk its
     // tokens close, so however far a CUDA-graph plan is padded a planned
     // pass has no more live rows than this, and all of them come first.
     const int64_t max_live_rows = kWritePass ? int64_t{params.batch_size}
                                              : int64_t{params.num_tokens} / kC128ChunkSize + params.batch_size;
     params.num_split_rows = static_cast<uint32_t>(std::min<int64_t>(params.num_rows, max_live_rows));
+    const std::array<SliceOption, 4> options = {
+        slice_option<kWritePass, kWideSliceDim>(params, device),
+        slice_option<kWritePass, kMidSliceDim>(params, device),
+        slice_option<kWritePass, kNarrowSliceDim>(params, device),
+        slice_option<kWritePass, kNarrowestSliceDim>(params, device),
+    };
+    const SliceOption* chosen = shortest_chain(options, [](const SliceOption&) { return true; });
+    if (beside != nullptr && beside->blocks > 0) {
+      const SliceOption* fitting =
+          shortest_chain(options, [&](const SliceOption& o) { return o.blocks + beside->blocks <= o.resident; });
+      if (fitting != nullptr && std::max(fitting->chain, beside->chain) <= beside->chain + chosen->chain) {
+        chosen = fitting;
+      }
+    }
     // A compress pass that a write pass follows lets it launch at once, so
     // that its blocks fill the SMs this pass's tail leaves idle.
     const bool starts_write_pass = !kWritePass && params.overlap_passes;
-    constexpr auto kWide = c128_prefill_kernel<kHeadDim, kWideSliceDim, kWritePass, kUsePDL, StateT>;
-    using Wide = PrefillLayout<kHeadDim, kWideSliceDim>;
-    const int64_t wide_blocks = resident_blocks<kWide, Wide>(device);
-    const int64_t wide_warps = wide_blocks * Wide::kWarps;
-    constexpr auto kNarrow = c128_prefill_kernel<kHeadDim, kNarrowSliceDim, kWritePass, kUsePDL, StateT>;
-    using Narrow = PrefillLayout<kHeadDim, kNarrowSliceDim>;
-    const int64_t narrow_blocks = resident_blocks<kNarrow, Narrow>(device);
-    const int64_t narrow_warps = narrow_blocks * Narrow::kWarps;
-    // Every warp decodes 32 items per round, padding rows included.
-    const auto narrow_scan_rounds = static_cast<int64_t>(pass_items(params, Narrow::kSlices) / (narrow_warps * 32));
-    const int64_t rows = params.num_split_rows;
-    if (rows * Wide::kSlices * 2 >= wide_warps || narrow_scan_rounds > kMaxNarrowScanRounds) {
-      launch_grid<kWide, Wide>(params, device, wide_blocks, starts_write_pass);
-      return;
+    switch (chosen->slice_dim) {
+      case kMidSliceDim:
+        launch_grid<kWritePass, kMidSliceDim>(params, device, *chosen, starts_write_pass);
+        break;
+      case kNarrowSliceDim:
+        launch_grid<kWritePass, kNarrowSliceDim>(params, device, *chosen, starts_write_pass);
+        break;
+      case kNarrowestSliceDim:
+        launch_grid<kWritePass, kNarrowestSliceDim>(params, device, *chosen, starts_write_pass);
+        break;
+      default:
+        launch_grid<kWritePass, kWideSliceDim>(params, device, *chosen, starts_write_pass);
     }
-    constexpr auto kMid = c128_prefill_kernel<kHeadDim, kMidSliceDim, kWritePass, kUsePDL, StateT>;
-    using Mid = PrefillLayout<kHeadDim, kMidSliceDim>;
-    const int64_t mid_blocks = resident_blocks<kMid, Mid>(device);
-    if (rows * Mid::kSlices * 10 >= mid_blocks * Mid::kWarps * 9) {
-      launch_grid<kMid, Mid>(params, device, mid_blocks, starts_write_pass);
-    } else if (rows * Narrow::kSlices * 8 >= narrow_warps) {
-      launch_grid<kNarrow, Narrow>(params, device, narrow_blocks, starts_write_pass);
-    } else {
-      constexpr auto kNarrowest = c128_prefill_kernel<kHeadDim, kNarrowestSliceDim, kWritePass, kUsePDL, StateT>;
-      using Narrowest = PrefillLayout<kHeadDim, kNarrowestSliceDim>;
-      launch_grid<kNarrowest, Narrowest>(params, device, resident_blocks<kNarrowest, Narrowest>(device),
-                                         starts_write_pass);
-    }
+    return *chosen;
   }
 
   /// \brief Whether a grid of `grid` blocks, out of `resident` that fit
@@ -390,15 +456,17 @@ struct C128Online {
     return host::runtime::smem_capping_residency(device_id, share);
   }
 
-  template <auto kKernel, class Layout>
-  static void launch_grid(PrefillArgs params, DLDevice device, int64_t max_blocks, bool starts_write_pass) {
+  template <bool kWritePass, uint32_t kSliceDim>
+  static void launch_grid(const PrefillArgs& params, DLDevice device, const SliceOption& option,
+                          bool starts_write_pass) {
+    using Layout = PrefillLayout<kHeadDim, kSliceDim>;
+    constexpr auto kKernel = c128_prefill_kernel<kHeadDim, kSliceDim, kWritePass, kUsePDL, StateT>;
     // One warp per item up to a full GPU; beyond that warps loop (a grid of
     // mostly-idle blocks would only cost launch and scheduling time).
-    const auto num_items = static_cast<int64_t>(pass_items(params, Layout::kSlices));
-    const int64_t wanted = (num_items + Layout::kWarps - 1) / Layout::kWarps;
-    const auto blocks = static_cast<uint32_t>(std::min(wanted, max_blocks));
-    params.trigger_early = starts_write_pass || trigger_next_early(blocks, max_blocks);
-    host::LaunchKernel(blocks, Layout::kThreads, device, Layout::kRingBytes).enable_pdl(kUsePDL)(kKernel, params);
+    PrefillArgs launch_params = params;
+    launch_params.trigger_early = starts_write_pass || trigger_next_early(option.blocks, option.resident);
+    host::LaunchKernel(static_cast<uint32_t>(option.blocks), Layout::kThreads, device, Layout::kRingBytes)
+        .enable_pdl(kUsePDL)(kKernel, launch_params);
   }
 
   /// \brief Blocks of a prefill kernel that fit on the GPU at once, with
