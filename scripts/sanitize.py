@@ -24,7 +24,7 @@ host<->device copies and our kernels; no torch kernel runs to report on):
    (accepted lengths 0 or above T, slots outside the pool, seq_len < T); the
    float32 variant runs the same verify steps;
 5. the fewest requests whose write-only step, and then whose compress pass,
-   run 32-channel slices (one of the four widths ``C128Online::launch_pass``
+   run 32-channel slices (one of the four widths ``choose_slice_width``
    picks from).
 
 torch's caching allocator is off in the driver (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``),

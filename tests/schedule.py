@@ -164,23 +164,28 @@ SLICE_WIDTHS = (64, 32, 16, 8)
 
 
 def prefill_pass(rows: int, head_dim: int, multiprocessors: int,
-                 beside: Optional[tuple[int, int, int]] = None) -> tuple[int, int, int]:
-    """``(width, grid, chain)`` that ``C128Online::launch_pass`` picks for a pass of ``rows`` live rows
-    (no padding rows), on a GPU with this many multiprocessors and 16 resident prefill warps (8
-    blocks) on each; ``beside``: what it picked for the compress pass a write pass starts beside. A
-    mirror of its rule, for tests that must reach every width: the width whose busiest warp has the
-    shortest chain of dependent loads (waves of items times rounds per 128-token segment), a
-    narrower width only where it cuts the chain, 16 or 8 channels (runs of 64 bytes or less) only
-    where they halve the shortest chain of the longer-run widths, 8 channels only where their items
-    fill at most a quarter of the warps; a write pass beside a compress pass where its grid fits in
-    the slots left free and the two chains side by side take no longer than in turn."""
+                 beside: Optional[tuple[int, int, int]] = None, padding_rows: int = 0) -> tuple[int, int, int]:
+    """``(width, grid, chain)`` that ``choose_slice_width`` (``csrc/deepseek_v4/c128_slice_width.cuh``)
+    picks for a pass of ``rows`` live rows and ``padding_rows`` CUDA-graph padding rows after them, on
+    a GPU with this many multiprocessors and 16 resident prefill warps (8 blocks) on each;
+    ``beside``: what it picked for the compress pass a write pass starts beside. A mirror of its rule
+    for the GPU tests that must reach every width (``tests/test_headers_nvcc.py`` checks it against
+    the compiled rule): the width whose busiest warp has the shortest chain of dependent loads
+    (waves of items times rounds per 128-token segment), a narrower width only where it cuts the
+    chain, 16 or 8 channels (runs of 64 bytes or less) only where they halve the shortest chain of
+    the longer-run widths, 8 channels only where their items fill at most a quarter of the warps,
+    none but 64 channels where padding rows would take a warp over 4 rounds of 32 to skip; a write
+    pass beside a compress pass where its grid fits in the slots left free and the two chains side
+    by side take no longer than in turn."""
     resident = 8 * multiprocessors
+    warps = 2 * resident
     options = []
     for width in SLICE_WIDTHS:
-        items = rows * (head_dim // width)
-        if width == 8 and 4 * items > 2 * resident:
+        split_items = rows * (head_dim // width)
+        items = split_items + padding_rows
+        if width != SLICE_WIDTHS[0] and (items // (warps * 32) > 4 or (width == 8 and 4 * items > warps)):
             continue
-        chain = -(-items // (2 * resident)) * -(-CHUNK_SIZE // (4 * (32 // (width // 4))))
+        chain = -(-split_items // warps) * -(-CHUNK_SIZE // (4 * (32 // (width // 4))))
         options.append((width, min(-(-items // 2), resident), chain))
 
     def shortest(candidates):
@@ -192,7 +197,7 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int,
         return best
 
     chosen = shortest(options)
-    if beside is not None:
+    if beside is not None and beside[1] > 0:
         fitting = shortest([o for o in options if o[1] + beside[1] <= resident])
         if fitting is not None and max(fitting[2], beside[2]) <= beside[2] + chosen[2]:
             chosen = fitting

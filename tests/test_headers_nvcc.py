@@ -68,16 +68,17 @@ needs_nvcc = pytest.mark.skipif(find_nvcc() is None,
 
 
 def compile_alone(source: str, arch: str, tmp_path: Path,
-                  flags: tuple[str, ...] = ("-std=c++20", "-O0", "--expt-relaxed-constexpr")
-                  ) -> subprocess.CompletedProcess:
-    """Compiles `source` as one translation unit for `arch` (e.g. "90"), object only."""
+                  flags: tuple[str, ...] = ("-std=c++20", "-O0", "--expt-relaxed-constexpr"),
+                  executable: bool = False) -> subprocess.CompletedProcess:
+    """Compiles `source` as one translation unit for `arch` (e.g. "90"): an object, or with
+    `executable` a program at `tmp_path / "unit"`."""
     import tvm_ffi.libinfo
 
     unit = tmp_path / "unit.cu"
     unit.write_text(source)
     includes = [f"-I{path}" for path in (*source_roots(), *tvm_ffi.libinfo.include_paths())]
-    command = [str(find_nvcc()), "-c", f"-gencode=arch=compute_{arch},code=sm_{arch}", *flags, *includes, str(unit),
-               "-o", str(tmp_path / "unit.o")]
+    command = [str(find_nvcc()), *(() if executable else ("-c",)), f"-gencode=arch=compute_{arch},code=sm_{arch}",
+               *flags, *includes, str(unit), "-o", str(tmp_path / ("unit" if executable else "unit.o"))]
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 
@@ -142,6 +143,70 @@ def test_kernels_fit_the_registers_their_launch_shapes_assume(head_dim, tmp_path
     bf16_decode = {name: regs for name, (regs, _) in usage.items()
                    if "c128_decode_kernel" in name and "bfloat16" in name}
     assert bf16_decode and max(bf16_decode.values()) <= 32, bf16_decode
+
+
+# Prints choose_slice_width's (width, grid, chain) for each line of stdin, "head_dim rows padding
+# resident beside_rows" (beside_rows 0: no compress pass beside; else its rows, no padding).
+SLICE_WIDTH_PROGRAM = """
+#include <deepseek_v4/c128_slice_width.cuh>
+
+#include <cstdio>
+
+using flash_compress::c128::SliceOption;
+
+template <int64_t kHeadDim>
+SliceOption choose(long long rows, long long padding, long long resident, const SliceOption* beside) {
+  return flash_compress::c128::choose_slice_width<kHeadDim>(rows, padding, {resident, resident, resident, resident},
+                                                            beside);
+}
+
+SliceOption choose(long long head_dim, long long rows, long long padding, long long resident,
+                   const SliceOption* beside) {
+  switch (head_dim) {
+    case 128: return choose<128>(rows, padding, resident, beside);
+    case 256: return choose<256>(rows, padding, resident, beside);
+    case 512: return choose<512>(rows, padding, resident, beside);
+    default: return choose<1024>(rows, padding, resident, beside);
+  }
+}
+
+int main() {
+  long long head_dim, rows, padding, resident, beside_rows;
+  while (std::scanf("%lld %lld %lld %lld %lld", &head_dim, &rows, &padding, &resident, &beside_rows) == 5) {
+    const SliceOption compress = choose(head_dim, beside_rows, 0, resident, nullptr);
+    const SliceOption pass = choose(head_dim, rows, padding, resident, beside_rows > 0 ? &compress : nullptr);
+    std::printf("%u %lld %lld\\n", pass.slice_dim, static_cast<long long>(pass.blocks),
+                static_cast<long long>(pass.chain));
+  }
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+@pytest.mark.nvcc
+def test_the_slice_width_rule_matches_the_tests_mirror(tmp_path):
+    """The GPU tests pick row counts that reach each prefill slice width through
+    `schedule.prefill_pass`, a Python mirror of `choose_slice_width`: here both run on the same
+    passes, alone, beside a compress pass and with CUDA-graph padding, and must agree."""
+    from schedule import prefill_pass
+
+    result = compile_alone(SLICE_WIDTH_PROGRAM, "90", tmp_path, executable=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    cases = [(head_dim, rows, padding, sms, beside)
+             for head_dim in (128, 256, 512, 1024) for sms in (132, 78)
+             for rows in (*range(1, 300, 7), 333, 529, 593, 1024, 4096)
+             for padding in (0, 1000, 400_000) for beside in (0, 1, 16, 64, 593)]
+    stdin = "".join(f"{h} {r} {p} {8 * s} {b}\n" for h, r, p, s, b in cases)
+    run = subprocess.run([str(tmp_path / "unit")], input=stdin, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    compiled = [tuple(int(x) for x in line.split()) for line in run.stdout.splitlines()]
+    mirrored = [prefill_pass(r, h, s, prefill_pass(b, h, s) if b else None, padding_rows=p)
+                for h, r, p, s, b in cases]
+    assert len(compiled) == len(cases)
+    differ = [(case, c, m) for case, c, m in zip(cases, compiled, mirrored) if c != m]
+    assert not differ, f"{len(differ)} of {len(cases)} differ, first: {differ[:3]}"
+    assert {c[0] for c in compiled} == {64, 32, 16, 8}
 
 
 def test_the_arch_check_names_the_archs_to_drop():

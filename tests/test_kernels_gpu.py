@@ -59,7 +59,7 @@ def test_prefill_heavy_schedule_with_relocation(gpu, use_pdl, cuda_graph):
 @pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])
 def test_every_channel_slice_width(gpu, use_pdl):
     """Each prefill pass runs each of its four channel slice widths in some step
-    (``C128Online::launch_pass``, mirrored by ``prefill_pass``; on an H200 at head_dim 512 a
+    (``choose_slice_width``, mirrored by ``prefill_pass``; on an H200 at head_dim 512 a
     compress pass of 1-8 rows runs 8 channels, 9-66 16, 67-132 32, 133-264 64): write-only steps of
     ``rows[32]`` and then 240 requests, a step of mid-chunk starts, then for each width the fewest
     requests whose compress pass runs it, 128 tokens from mid-chunk (one compress and at most one

@@ -2,8 +2,9 @@
 // struct per (head_dim, use_pdl, state dtype) variant (docs/SPEC.md sections
 // 3, 9 and 10). Every argument is checked here, before any launch, and every
 // launch shape is chosen here; the kernels know neither. Kernels:
-// c128_decode.cuh, c128_prefill.cuh, c128_verify.cuh. The planner's exports
-// are in c128_plan.cuh.
+// c128_decode.cuh, c128_prefill.cuh, c128_verify.cuh; a prefill pass's
+// slice width comes from c128_slice_width.cuh. The planner's exports are in
+// c128_plan.cuh.
 #pragma once
 
 #include <dlpack/dlpack.h>
@@ -22,6 +23,7 @@
 #include "c128_decode.cuh"
 #include "c128_plan.cuh"
 #include "c128_prefill.cuh"
+#include "c128_slice_width.cuh"
 #include "c128_state.cuh"
 #include "c128_verify.cuh"
 
@@ -29,15 +31,6 @@ namespace flash_compress::c128 {
 
 /// Most draft tokens per request one verify step takes (reference.MAX_VERIFY_TOKENS).
 inline constexpr int64_t kMaxVerifyTokens = 16;
-
-/// Channel slice widths a prefill pass may run with (PrefillLayout), widest first.
-inline constexpr uint32_t kWideSliceDim = 64;
-inline constexpr uint32_t kMidSliceDim = 32;
-inline constexpr uint32_t kNarrowSliceDim = 16;
-inline constexpr uint32_t kNarrowestSliceDim = 8;
-/// Rounds of plan decoding (32 items per warp each) a narrow pass may spend
-/// on a padded plan before its extra rounds cost more than they save.
-inline constexpr int64_t kMaxNarrowScanRounds = 4;
 
 /// \brief The argument checks the exports share: each binds the sizes and the
 /// device it names, so that a later mismatch names both tensors.
@@ -305,83 +298,10 @@ struct C128Online {
     launch_pass</*kWritePass=*/true>(params, dl_device, params.overlap_passes ? &compress_pass : nullptr);
   }
 
-  /// \brief How a pass would run at one slice width, as the host can judge
-  /// it from counts alone (the segments' lengths are on the device).
-  struct SliceOption {
-    uint32_t slice_dim;
-    int64_t blocks;    // its grid
-    int64_t resident;  // its blocks that fit the GPU at once
-    /// Rounds of dependent token loads of its busiest warp, every segment a
-    /// full chunk: waves of items times the rounds one item takes.
-    int64_t chain;
-    /// Whether the pass may run it: its warps must skip the padding rows of
-    /// a CUDA-graph plan quickly enough (the widest always may), and 8-channel
-    /// slices need a pass so small that their items fill at most a quarter of
-    /// the warps. Where they fill more, the pass moves enough bytes that
-    /// 32-byte runs cost more than the rounds they save, and its grid leaves
-    /// no room for a write pass beside it (head_dim 256, 1 x 8192 + 255 x 1
-    /// tokens: 10.1 -> 13.3 us; docs/PERF_LOG.md).
-    bool eligible;
-  };
-
-  template <bool kWritePass, uint32_t kSliceDim>
-  static SliceOption slice_option(const PrefillArgs& params, DLDevice device) {
-    using Layout = PrefillLayout<kHeadDim, kSliceDim>;
-    constexpr auto kKernel = c128_prefill_kernel<kHeadDim, kSliceDim, kWritePass, kUsePDL, StateT>;
-    constexpr int64_t kRoundsPerChunk =
-        (kC128ChunkSize + Layout::kTokenLanes * Layout::kBatch - 1) / (Layout::kTokenLanes * Layout::kBatch);
-    const int64_t resident = resident_blocks<kKernel, Layout>(device);
-    const int64_t warps = resident * Layout::kWarps;
-    const int64_t split_items = int64_t{params.num_split_rows} * Layout::kSlices;
-    const auto items = static_cast<int64_t>(pass_items(params, Layout::kSlices));
-    // Every warp decodes 32 items per round, padding rows included.
-    const int64_t scan_rounds = items / (warps * ::device::kWarpThreads);
-    return SliceOption{
-        .slice_dim = kSliceDim,
-        .blocks = std::min((items + Layout::kWarps - 1) / Layout::kWarps, resident),
-        .resident = resident,
-        .chain = (split_items + warps - 1) / warps * kRoundsPerChunk,
-        .eligible = kSliceDim == kWideSliceDim ||
-                    (scan_rounds <= kMaxNarrowScanRounds && (kSliceDim != kNarrowestSliceDim || 4 * items <= warps)),
-    };
-  }
-
-  /// \brief Of the options that `fits`, widest first, the one with the
-  /// shortest chain: a narrower slice must cut it, and one of 64-byte runs
-  /// or shorter (16 or 8 float32 channels) must halve the shortest chain of
-  /// the longer-run widths, because where a pass streams at the bandwidth
-  /// limit such runs move fewer bytes per DRAM burst (head_dim 512, 8 x
-  /// 16384 tokens: 127 us with 64-channel slices, 131 with 32, 173 with 16;
-  /// docs/PERF_LOG.md). Null if none fits.
-  template <class Fits>
-  static const SliceOption* shortest_chain(const std::array<SliceOption, 4>& options, Fits fits) {
-    const SliceOption* best = nullptr;
-    for (const SliceOption& option : options) {
-      if (!option.eligible || !fits(option)) continue;
-      const bool short_runs = option.slice_dim * sizeof(float) <= 64;
-      const bool best_short_runs = best != nullptr && best->slice_dim * sizeof(float) <= 64;
-      if (best == nullptr || (short_runs && !best_short_runs ? 2 * option.chain <= best->chain
-                                                             : option.chain < best->chain)) {
-        best = &option;
-      }
-    }
-    return best;
-  }
-
-  /// \brief Launches one pass over `params.num_rows` plan rows; returns the
-  /// option it ran. Wide slices read whole 256-byte runs per token, but
-  /// give a pass of few rows few items, each a long chain of dependent
-  /// loads; each halving of the width doubles the items and the token lanes
-  /// per segment, and halves the rounds of loads one item takes. The width
-  /// is the one whose busiest warp has the shortest chain (shortest_chain):
-  /// this counts waves as well, so that 593 compress rows at head_dim 512
-  /// run 32-channel slices (5 waves of 8 rounds; 64-channel ones would take
-  /// 3 waves of 16), 256 rows 64-channel ones (one wave of 16 either way).
-  /// A write pass that starts `beside` a compress pass runs alongside it
-  /// where its grid fits in the slots that pass leaves free, if the two
-  /// chains side by side take no longer than the two in turn (head_dim 128,
-  /// 256 x 300 tokens: 28.6 -> 25.9 us with 64-channel slices beside the
-  /// compress pass where 16-channel ones ran after it; docs/PERF_LOG.md).
+  /// \brief Launches one pass over `params.num_rows` plan rows at the slice
+  /// width choose_slice_width (c128_slice_width.cuh) picks for it; returns
+  /// the option it ran. `beside`: the compress pass a write pass starts
+  /// beside, if any.
   template <bool kWritePass>
   static SliceOption launch_pass(PrefillArgs params, DLDevice device, const SliceOption* beside = nullptr) {
     if (params.num_rows == 0) return SliceOption{};
@@ -391,37 +311,31 @@ struct C128Online {
     const int64_t max_live_rows = kWritePass ? int64_t{params.batch_size}
                                              : int64_t{params.num_tokens} / kC128ChunkSize + params.batch_size;
     params.num_split_rows = static_cast<uint32_t>(std::min<int64_t>(params.num_rows, max_live_rows));
-    const std::array<SliceOption, 4> options = {
-        slice_option<kWritePass, kWideSliceDim>(params, device),
-        slice_option<kWritePass, kMidSliceDim>(params, device),
-        slice_option<kWritePass, kNarrowSliceDim>(params, device),
-        slice_option<kWritePass, kNarrowestSliceDim>(params, device),
+    const std::array<int64_t, 4> resident = {
+        pass_resident_blocks<kWritePass, kSliceDims[0]>(device),
+        pass_resident_blocks<kWritePass, kSliceDims[1]>(device),
+        pass_resident_blocks<kWritePass, kSliceDims[2]>(device),
+        pass_resident_blocks<kWritePass, kSliceDims[3]>(device),
     };
-    const SliceOption* chosen = shortest_chain(options, [](const SliceOption&) { return true; });
-    if (beside != nullptr && beside->blocks > 0) {
-      const SliceOption* fitting =
-          shortest_chain(options, [&](const SliceOption& o) { return o.blocks + beside->blocks <= o.resident; });
-      if (fitting != nullptr && std::max(fitting->chain, beside->chain) <= beside->chain + chosen->chain) {
-        chosen = fitting;
-      }
-    }
+    const SliceOption chosen = choose_slice_width<kHeadDim>(
+        params.num_split_rows, int64_t{params.num_rows} - params.num_split_rows, resident, beside);
     // A compress pass that a write pass follows lets it launch at once, so
     // that its blocks fill the SMs this pass's tail leaves idle.
     const bool starts_write_pass = !kWritePass && params.overlap_passes;
-    switch (chosen->slice_dim) {
+    switch (chosen.slice_dim) {
       case kMidSliceDim:
-        launch_grid<kWritePass, kMidSliceDim>(params, device, *chosen, starts_write_pass);
+        launch_grid<kWritePass, kMidSliceDim>(params, device, chosen, starts_write_pass);
         break;
       case kNarrowSliceDim:
-        launch_grid<kWritePass, kNarrowSliceDim>(params, device, *chosen, starts_write_pass);
+        launch_grid<kWritePass, kNarrowSliceDim>(params, device, chosen, starts_write_pass);
         break;
       case kNarrowestSliceDim:
-        launch_grid<kWritePass, kNarrowestSliceDim>(params, device, *chosen, starts_write_pass);
+        launch_grid<kWritePass, kNarrowestSliceDim>(params, device, chosen, starts_write_pass);
         break;
       default:
-        launch_grid<kWritePass, kWideSliceDim>(params, device, *chosen, starts_write_pass);
+        launch_grid<kWritePass, kWideSliceDim>(params, device, chosen, starts_write_pass);
     }
-    return *chosen;
+    return chosen;
   }
 
   /// \brief Whether a grid of `grid` blocks, out of `resident` that fit
@@ -467,6 +381,13 @@ struct C128Online {
     launch_params.trigger_early = starts_write_pass || trigger_next_early(option.blocks, option.resident);
     host::LaunchKernel(static_cast<uint32_t>(option.blocks), Layout::kThreads, device, Layout::kRingBytes)
         .enable_pdl(kUsePDL)(kKernel, launch_params);
+  }
+
+  /// \brief Blocks of one pass's kernel at one slice width that fit on the GPU at once.
+  template <bool kWritePass, uint32_t kSliceDim>
+  static int64_t pass_resident_blocks(DLDevice device) {
+    return resident_blocks<c128_prefill_kernel<kHeadDim, kSliceDim, kWritePass, kUsePDL, StateT>,
+                           PrefillLayout<kHeadDim, kSliceDim>>(device);
   }
 
   /// \brief Blocks of a prefill kernel that fit on the GPU at once, with

@@ -66,7 +66,7 @@ struct PrefillLayout {
   static_assert(kSupportedHeadDim<kHeadDim>, "head_dim must be a multiple of 64 in [64, 1024]");
   /// A warp computes one slice of channels of one segment: no block-wide
   /// merge, no barrier, and every warp streams independently. The slice is
-  /// chosen per pass (C128Online::launch_pass in c128_online.cuh): wide
+  /// chosen per pass (choose_slice_width in c128_slice_width.cuh): wide
   /// slices when there are many items, narrower ones when a pass has few
   /// rows, so that its warps split each segment's tokens over more lanes and
   /// finish in fewer rounds of dependent loads.

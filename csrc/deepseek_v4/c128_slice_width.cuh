@@ -1,0 +1,126 @@
+// How a prefill pass picks its channel slice width: host arithmetic on the
+// counts the host knows (plan rows, resident blocks), apart from the launch so
+// that it can be checked without a GPU (tests/test_slice_width_nvcc.py). The
+// launch that uses it is C128Online::launch_pass in c128_online.cuh; the
+// measurements behind it are in docs/PERF_LOG.md.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+
+#include "c128_prefill.cuh"
+
+namespace flash_compress::c128 {
+
+/// Channel slice widths a prefill pass may run with (PrefillLayout), widest first.
+inline constexpr uint32_t kWideSliceDim = 64;
+inline constexpr uint32_t kMidSliceDim = 32;
+inline constexpr uint32_t kNarrowSliceDim = 16;
+inline constexpr uint32_t kNarrowestSliceDim = 8;
+inline constexpr std::array<uint32_t, 4> kSliceDims = {kWideSliceDim, kMidSliceDim, kNarrowSliceDim,
+                                                       kNarrowestSliceDim};
+/// Rounds of plan decoding (32 items per warp each) a narrow pass may spend
+/// on a padded plan before its extra rounds cost more than they save.
+inline constexpr int64_t kMaxNarrowScanRounds = 4;
+
+/// \brief How a pass would run at one slice width, as the host can judge
+/// it from counts alone (the segments' lengths are on the device).
+struct SliceOption {
+  uint32_t slice_dim;
+  int64_t blocks;    // its grid
+  int64_t resident;  // its blocks that fit the GPU at once
+  /// Rounds of dependent token loads of its busiest warp, every segment a
+  /// full chunk: waves of items times the rounds one item takes.
+  int64_t chain;
+  /// Whether the pass may run it: its warps must skip the padding rows of
+  /// a CUDA-graph plan quickly enough (the widest always may), and 8-channel
+  /// slices need a pass so small that their items fill at most a quarter of
+  /// the warps. Where they fill more, the pass moves enough bytes that
+  /// 32-byte runs cost more than the rounds they save, and its grid leaves
+  /// no room for a write pass beside it (head_dim 256, 1 x 8192 + 255 x 1
+  /// tokens: 10.1 -> 13.3 us).
+  bool eligible;
+};
+
+/// \brief A pass of `split_rows` rows split into slices (every live row
+/// among them) and `other_rows` rows that are not (CUDA-graph padding) at
+/// `kSliceDim` channels, `resident` of whose blocks fit the GPU at once.
+template <int64_t kHeadDim, uint32_t kSliceDim>
+SliceOption slice_option(int64_t split_rows, int64_t other_rows, int64_t resident) {
+  using Layout = PrefillLayout<kHeadDim, kSliceDim>;
+  constexpr int64_t kRoundTokens = Layout::kTokenLanes * Layout::kBatch;
+  constexpr int64_t kRoundsPerChunk = (kC128ChunkSize + kRoundTokens - 1) / kRoundTokens;
+  const int64_t warps = resident * Layout::kWarps;
+  const int64_t split_items = split_rows * Layout::kSlices;
+  const int64_t items = split_items + other_rows;
+  // Every warp decodes 32 items per round, padding rows included.
+  const int64_t scan_rounds = items / (warps * ::device::kWarpThreads);
+  return SliceOption{
+      .slice_dim = kSliceDim,
+      .blocks = std::min((items + Layout::kWarps - 1) / Layout::kWarps, resident),
+      .resident = resident,
+      .chain = (split_items + warps - 1) / warps * kRoundsPerChunk,
+      .eligible = kSliceDim == kWideSliceDim ||
+                  (scan_rounds <= kMaxNarrowScanRounds && (kSliceDim != kNarrowestSliceDim || 4 * items <= warps)),
+  };
+}
+
+/// \brief Of the options that `fits`, widest first, the one with the
+/// shortest chain: a narrower slice must cut it, and one of 64-byte runs
+/// or shorter (16 or 8 float32 channels) must halve the shortest chain of
+/// the longer-run widths, because where a pass streams at the bandwidth
+/// limit such runs move fewer bytes per DRAM burst (head_dim 512, 8 x
+/// 16384 tokens: 127 us with 64-channel slices, 131 with 32, 173 with 16).
+/// Null if none fits.
+template <class Fits>
+const SliceOption* shortest_chain(const std::array<SliceOption, 4>& options, Fits fits) {
+  const SliceOption* best = nullptr;
+  for (const SliceOption& option : options) {
+    if (!option.eligible || !fits(option)) continue;
+    const bool short_runs = option.slice_dim * sizeof(float) <= 64;
+    const bool best_short_runs = best != nullptr && best->slice_dim * sizeof(float) <= 64;
+    if (best == nullptr || (short_runs && !best_short_runs ? 2 * option.chain <= best->chain
+                                                           : option.chain < best->chain)) {
+      best = &option;
+    }
+  }
+  return best;
+}
+
+/// \brief The width a pass of `split_rows` + `other_rows` rows runs with,
+/// `resident[i]` blocks of width kSliceDims[i] fitting the GPU at once.
+/// Wide slices read whole 256-byte runs per token, but give a pass of few
+/// rows few items, each a long chain of dependent loads; each halving of the
+/// width doubles the items and the token lanes per segment, and halves the
+/// rounds of loads one item takes. The width is the one whose busiest warp
+/// has the shortest chain (shortest_chain): this counts waves as well, so
+/// that 593 compress rows at head_dim 512 run 32-channel slices (5 waves of
+/// 8 rounds; 64-channel ones would take 3 waves of 16), 256 rows 64-channel
+/// ones (one wave of 16 either way). A write pass that starts `beside` a
+/// compress pass runs alongside it where its grid fits in the slots that
+/// pass leaves free, if the two chains side by side take no longer than
+/// the two in turn (head_dim 128, 256 x 300 tokens: 28.6 -> 25.9 us with
+/// 64-channel slices beside the compress pass where 16-channel ones ran
+/// after it).
+template <int64_t kHeadDim>
+SliceOption choose_slice_width(int64_t split_rows, int64_t other_rows, const std::array<int64_t, 4>& resident,
+                               const SliceOption* beside) {
+  const std::array<SliceOption, 4> options = {
+      slice_option<kHeadDim, kSliceDims[0]>(split_rows, other_rows, resident[0]),
+      slice_option<kHeadDim, kSliceDims[1]>(split_rows, other_rows, resident[1]),
+      slice_option<kHeadDim, kSliceDims[2]>(split_rows, other_rows, resident[2]),
+      slice_option<kHeadDim, kSliceDims[3]>(split_rows, other_rows, resident[3]),
+  };
+  const SliceOption* chosen = shortest_chain(options, [](const SliceOption&) { return true; });
+  if (beside != nullptr && beside->blocks > 0) {
+    const SliceOption* fitting =
+        shortest_chain(options, [&](const SliceOption& o) { return o.blocks + beside->blocks <= o.resident; });
+    if (fitting != nullptr && std::max(fitting->chain, beside->chain) <= beside->chain + chosen->chain) {
+      chosen = fitting;
+    }
+  }
+  return *chosen;
+}
+
+}  // namespace flash_compress::c128
