@@ -159,7 +159,7 @@ def bf16_state_flips(got: torch.Tensor, want: torch.Tensor, what: str) -> int:
     return int(differ.sum())
 
 
-#: Channel slice widths a prefill pass may run with, widest first (``c128_online.cuh``).
+#: Channel slice widths a prefill pass may run with, widest first (``kSliceDims`` in ``c128_slice_width.cuh``).
 SLICE_WIDTHS = (64, 32, 16, 8)
 
 

@@ -371,16 +371,12 @@ struct C128Online {
   }
 
   template <bool kWritePass, uint32_t kSliceDim>
-  static void launch_grid(const PrefillArgs& params, DLDevice device, const SliceOption& option,
-                          bool starts_write_pass) {
+  static void launch_grid(PrefillArgs params, DLDevice device, const SliceOption& option, bool starts_write_pass) {
     using Layout = PrefillLayout<kHeadDim, kSliceDim>;
     constexpr auto kKernel = c128_prefill_kernel<kHeadDim, kSliceDim, kWritePass, kUsePDL, StateT>;
-    // One warp per item up to a full GPU; beyond that warps loop (a grid of
-    // mostly-idle blocks would only cost launch and scheduling time).
-    PrefillArgs launch_params = params;
-    launch_params.trigger_early = starts_write_pass || trigger_next_early(option.blocks, option.resident);
+    params.trigger_early = starts_write_pass || trigger_next_early(option.blocks, option.resident);
     host::LaunchKernel(static_cast<uint32_t>(option.blocks), Layout::kThreads, device, Layout::kRingBytes)
-        .enable_pdl(kUsePDL)(kKernel, launch_params);
+        .enable_pdl(kUsePDL)(kKernel, params);
   }
 
   /// \brief Blocks of one pass's kernel at one slice width that fit on the GPU at once.

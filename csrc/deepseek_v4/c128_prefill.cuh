@@ -55,10 +55,16 @@ struct PrefillParams {
   bool trigger_early;
 };
 
-/// \brief Work items of a pass whose rows split into `slices` channel slices.
+/// \brief Work items of a pass of `split_rows` rows split into `slices`
+/// channel slices each and `other_rows` rows that are not.
+__host__ __device__ inline uint64_t pass_items(uint64_t split_rows, uint64_t other_rows, uint32_t slices) {
+  return split_rows * slices + other_rows;
+}
+
+/// \brief Work items of the pass `params` describes.
 template <typename StateT>
 __host__ __device__ inline uint64_t pass_items(const PrefillParams<StateT>& params, uint32_t slices) {
-  return static_cast<uint64_t>(params.num_split_rows) * slices + (params.num_rows - params.num_split_rows);
+  return pass_items(params.num_split_rows, params.num_rows - params.num_split_rows, slices);
 }
 
 template <int64_t kHeadDim, uint32_t kSliceDim_>

@@ -53,11 +53,13 @@ SliceOption slice_option(int64_t split_rows, int64_t other_rows, int64_t residen
   constexpr int64_t kRoundsPerChunk = (kC128ChunkSize + kRoundTokens - 1) / kRoundTokens;
   const int64_t warps = resident * Layout::kWarps;
   const int64_t split_items = split_rows * Layout::kSlices;
-  const int64_t items = split_items + other_rows;
+  const auto items = static_cast<int64_t>(pass_items(split_rows, other_rows, Layout::kSlices));
   // Every warp decodes 32 items per round, padding rows included.
   const int64_t scan_rounds = items / (warps * ::device::kWarpThreads);
   return SliceOption{
       .slice_dim = kSliceDim,
+      // One warp per item up to a full GPU; beyond that warps loop (a grid
+      // of mostly-idle blocks would only cost launch and scheduling time).
       .blocks = std::min((items + Layout::kWarps - 1) / Layout::kWarps, resident),
       .resident = resident,
       .chain = (split_items + warps - 1) / warps * kRoundsPerChunk,
