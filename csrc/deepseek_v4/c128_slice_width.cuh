@@ -1,6 +1,6 @@
 // How a prefill pass picks its channel slice width: host arithmetic on the
 // counts the host knows (plan rows, resident blocks), apart from the launch so
-// that it can be checked without a GPU (tests/test_slice_width_nvcc.py). The
+// that it can be checked without a GPU (tests/test_headers_nvcc.py). The
 // launch that uses it is C128Online::launch_pass in c128_online.cuh; the
 // measurements behind it are in docs/PERF_LOG.md.
 #pragma once
