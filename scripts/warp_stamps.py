@@ -101,13 +101,19 @@ def instrumented_kernel(folder: Path) -> Path:
     return folder
 
 
-def stamp(out_rows: torch.Tensor, head_dim: int, index: int) -> int:
+def stamp_position(index: int, head_dim: int) -> tuple[int, int]:
+    """(output row, 64-bit word in it) of stamp `index`: EDITS' `stamp_at`, which skips rows 127 mod 128."""
     row, col = divmod(index, head_dim // 2)
-    return int(out_rows[row + row // 127].view(torch.int64)[col])
+    return row + row // 127, col
+
+
+def stamp(out_rows: torch.Tensor, head_dim: int, index: int) -> int:
+    row, col = stamp_position(index, head_dim)
+    return int(out_rows[row].view(torch.int64)[col])
 
 
 def breakdown(out: torch.Tensor, head_dim: int) -> dict[str, float]:
-    rows = out[: (4 * STAMP_WARPS + 2) // (head_dim // 2) + 3].cpu()
+    rows = out[: stamp_position(4 * STAMP_WARPS + 1, head_dim)[0] + 1].cpu()
     warps = [[stamp(rows, head_dim, 4 * w + j) for j in range(4)] for w in range(STAMP_WARPS)]
     live = [w for w in warps if w[2] != 0]  # warps that ran an item
     entry = min(w[0] for w in live)
