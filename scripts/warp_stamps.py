@@ -2,6 +2,7 @@
 """Where a one-request prefill call's time goes, from per-warp GPU timestamps (needs a GPU).
 
     python scripts/warp_stamps.py [--head-dim 128 256 512] [--tokens 8192 32768 131072] [--replays 5]
+                                  [--variant NAME=FOLDER]
 
 Builds an instrumented copy of ``csrc/deepseek_v4/c128_prefill.cuh`` (the edits are EDITS below,
 applied to a temporary copy; the tree is not touched): every warp of the compress pass reads
@@ -18,12 +19,15 @@ and reports, for the last call of each replay, in us from its first warp's entry
 - period: previous call's end to this call's end, the call's share of the graph.
 
 The instrumented kernel is not the tree's (it spills up to 16 bytes); its graph time is printed
-beside the stamps. docs/PERF_LOG.md (fourteenth session) has a result.
+beside the stamps. With ``--variant NAME=FOLDER`` a second build, FOLDER's kernel files replacing
+the tree's (its own ``c128_prefill.cuh``, if any, is the one instrumented), runs the same calls in
+the same process. docs/PERF_LOG.md (fourteenth session) has a result.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -89,14 +93,15 @@ inline constexpr uint64_t kStampWarps = {STAMP_WARPS};
 ]
 
 
-def instrumented_kernel(folder: Path) -> Path:
-    text = KERNEL.read_text()
+def instrumented_kernel(folder: Path, source: Path = KERNEL) -> Path:
+    """`folder` (created, or made by the caller) with `source`, the prefill kernel file, edited by EDITS."""
+    text = source.read_text()
     for anchor, replacement in EDITS:
         count = text.count(anchor)
         if count != 1:
-            raise SystemExit(f"warp_stamps.py: expected one {anchor!r} in {KERNEL}, found {count}")
+            raise SystemExit(f"warp_stamps.py: expected one {anchor!r} in {source}, found {count}")
         text = text.replace(anchor, replacement)
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / KERNEL.name).write_text(text)
     return folder
 
@@ -129,39 +134,55 @@ def breakdown(out: torch.Tensor, head_dim: int) -> dict[str, float]:
     }
 
 
+def stamped_call(module, data, exact, head_dim: int, replays: int) -> tuple[float, dict[str, float]]:
+    """The call's time in a graph of 10, and the medians of `breakdown` over `replays` replays."""
+
+    def call():
+        module.run_prefill(data["state"], data["input"], data["out"], data["ape"], data["indices"], *exact, None)
+
+    us = bench.graph_median_ms(call, launches=10, iters=20) * 1e3
+    runs = []
+    for _ in range(replays):
+        data["out"].zero_()
+        bench.graph_median_ms(call, launches=10, iters=1)
+        torch.cuda.synchronize()
+        runs.append(breakdown(data["out"], head_dim))
+    return us, {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--replays", type=int, default=5)
+    parser.add_argument("--variant", type=bench_variants.parse_variant, metavar="NAME=PATH",
+                        help="also stamp the tree with these kernel files replacing theirs (an edited "
+                             "c128_online.cuh, say), in the same process")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("warp_stamps.py needs a CUDA GPU", file=sys.stderr)
         return 2
     scratch = Path(tempfile.mkdtemp())
-    files = instrumented_kernel(scratch / "stamped")
+    builds = {"tree": instrumented_kernel(scratch / "tree")}
+    if args.variant:
+        name, files = args.variant
+        shutil.copytree(files, scratch / name)
+        # The variant's own prefill kernel, if it has one, is the one stamped.
+        builds[name] = instrumented_kernel(scratch / name, files / KERNEL.name if (files / KERNEL.name).is_file()
+                                           else KERNEL)
     gen = torch.Generator().manual_seed(0)
     for head_dim in args.head_dim:
-        module = bench_variants.load_variant("stamped", files, head_dim, scratch / f"build{head_dim}", "float32")
+        modules = {name: bench_variants.load_variant(f"stamped_{name}", files, head_dim,
+                                                     scratch / f"build_{name}_{head_dim}", "float32")
+                   for name, files in builds.items()}
         for tokens in args.tokens:
-            data, exact, _, _ = bench.prefill_case(module, head_dim, 1, tokens, False, gen)
-
-            def call(data=data, exact=exact):
-                module.run_prefill(data["state"], data["input"], data["out"], data["ape"], data["indices"], *exact,
-                                   None)
-
-            us = bench.graph_median_ms(call, launches=10, iters=20) * 1e3
-            runs = []
-            for _ in range(args.replays):
-                data["out"].zero_()
-                bench.graph_median_ms(call, launches=10, iters=1)
-                torch.cuda.synchronize()
-                runs.append(breakdown(data["out"], head_dim))
-            medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-            print(f"head_dim {head_dim} 1 x {tokens}: {us:.2f} us a call in graph (instrumented); medians of "
-                  f"{args.replays} replays, us from the first warp's entry:")
-            print("  " + "  ".join(f"{key} {value:.2f}" if key != "warps" else f"warps {value:.0f}"
-                                   for key, value in medians.items()), flush=True)
+            data, exact, _, _ = bench.prefill_case(modules["tree"], head_dim, 1, tokens, False, gen)
+            for name, module in modules.items():
+                us, medians = stamped_call(module, data, exact, head_dim, args.replays)
+                print(f"head_dim {head_dim} 1 x {tokens} {name}: {us:.2f} us a call in graph (instrumented); "
+                      f"medians of {args.replays} replays, us from the first warp's entry:")
+                print("  " + "  ".join(f"{key} {value:.2f}" if key != "warps" else f"warps {value:.0f}"
+                                       for key, value in medians.items()), flush=True)
     return 0
 
 
