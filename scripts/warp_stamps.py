@@ -7,7 +7,7 @@
 Builds an instrumented copy of ``csrc/deepseek_v4/c128_prefill.cuh`` (the edits are EDITS below,
 applied to a temporary copy; the tree is not touched): every warp of the compress pass reads
 ``%globaltimer`` on entry, after its PDL wait, when its first round of tokens has landed, and
-after its last store, and writes the four stamps into output rows that a 1 x N-from-0 call never
+after its last store, and writes these four stamps and its SM (``%smid``) into output rows that a 1 x N-from-0 call never
 writes (rows 127 mod 128 are skipped). The pass also keeps the latest end of any warp, which the
 next call reads after its PDL wait. The script then replays a CUDA graph of 10 calls of one
 request of N new tokens from 0 (float32 state; the write plan is empty, so a call is one kernel)
@@ -16,7 +16,10 @@ and reports, for the last call of each replay, in us from its first warp's entry
 - gap: from the previous call's last warp end to this call's first warp entry (launch);
 - first landed (min / median / max): when warps' first round of tokens arrived;
 - end (min / median / p90 / max): when warps finished; max - median is the tail;
-- period: previous call's end to this call's end, the call's share of the graph.
+- period: previous call's end to this call's end, the call's share of the graph;
+- SM-balanced end: the latest of the SMs' mean warp ends, when the call would end if each SM's
+  warps shared its work evenly (a queue per SM); all-balanced end: the mean of all warp ends (a
+  queue over the GPU). Both assume the same rate, so they bound what rebalancing could save.
 
 The instrumented kernel is not the tree's (it spills up to 16 bytes); its graph time is printed
 beside the stamps. With ``--variant NAME=FOLDER`` a second build, FOLDER's kernel files replacing
@@ -43,6 +46,8 @@ import bench_variants  # noqa: E402
 #: Warps with stamps (more than any one-wave pass of an H200 has); then the latest end and the
 #: previous call's latest end.
 STAMP_WARPS = 4096
+#: Stamps per warp: entry, after the PDL wait, first tokens landed, done, SM.
+PER_WARP = 5
 KERNEL = ROOT / "csrc" / "deepseek_v4" / "c128_prefill.cuh"
 
 #: (anchor, replacement): each anchor must occur exactly once in the kernel file.
@@ -58,6 +63,12 @@ SGL_DEVICE uint64_t* stamp_at(float* output, uint64_t index, int64_t head_dim) {
   return reinterpret_cast<uint64_t*>(output + (row + row / 127) * head_dim) + index % per_row;
 }}
 inline constexpr uint64_t kStampWarps = {STAMP_WARPS};
+inline constexpr uint64_t kPerWarp = {PER_WARP};
+SGL_DEVICE uint64_t sm_id() {{
+  uint32_t sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  return sm;
+}}
 
 /// \\brief Work items of a pass of `split_rows`"""),
     ("const PrefillParams<StateT>& params) {\n  namespace async_copy",
@@ -72,7 +83,8 @@ inline constexpr uint64_t kStampWarps = {STAMP_WARPS};
   const uint64_t t_waited = global_ns();
   if constexpr (!kWritePass) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-      *stamp_at(params.output, 4 * kStampWarps + 1, kHeadDim) = *stamp_at(params.output, 4 * kStampWarps, kHeadDim);
+      *stamp_at(params.output, kPerWarp * kStampWarps + 1, kHeadDim) =
+          *stamp_at(params.output, kPerWarp * kStampWarps, kHeadDim);
     }
   }
 """),
@@ -81,11 +93,12 @@ inline constexpr uint64_t kStampWarps = {STAMP_WARPS};
      """  if constexpr (!kWritePass) {
     const uint64_t t_done = global_ns();
     if (lane == 0 && warp < kStampWarps) {
-      *stamp_at(params.output, 4 * warp + 0, kHeadDim) = t_entry;
-      *stamp_at(params.output, 4 * warp + 1, kHeadDim) = t_waited;
-      *stamp_at(params.output, 4 * warp + 2, kHeadDim) = first_landed;
-      *stamp_at(params.output, 4 * warp + 3, kHeadDim) = t_done;
-      atomicMax(reinterpret_cast<unsigned long long*>(stamp_at(params.output, 4 * kStampWarps, kHeadDim)),
+      *stamp_at(params.output, kPerWarp * warp + 0, kHeadDim) = t_entry;
+      *stamp_at(params.output, kPerWarp * warp + 1, kHeadDim) = t_waited;
+      *stamp_at(params.output, kPerWarp * warp + 2, kHeadDim) = first_landed;
+      *stamp_at(params.output, kPerWarp * warp + 3, kHeadDim) = t_done;
+      *stamp_at(params.output, kPerWarp * warp + 4, kHeadDim) = sm_id();
+      atomicMax(reinterpret_cast<unsigned long long*>(stamp_at(params.output, kPerWarp * kStampWarps, kHeadDim)),
                 static_cast<unsigned long long>(t_done));
     }
   }
@@ -118,19 +131,25 @@ def stamp(out_rows: torch.Tensor, head_dim: int, index: int) -> int:
 
 
 def breakdown(out: torch.Tensor, head_dim: int) -> dict[str, float]:
-    rows = out[: stamp_position(4 * STAMP_WARPS + 1, head_dim)[0] + 1].cpu()
-    warps = [[stamp(rows, head_dim, 4 * w + j) for j in range(4)] for w in range(STAMP_WARPS)]
+    rows = out[: stamp_position(PER_WARP * STAMP_WARPS + 1, head_dim)[0] + 1].cpu()
+    warps = [[stamp(rows, head_dim, PER_WARP * w + j) for j in range(PER_WARP)] for w in range(STAMP_WARPS)]
     live = [w for w in warps if w[2] != 0]  # warps that ran an item
     entry = min(w[0] for w in live)
     landed = sorted(w[2] - entry for w in live)
     ends = sorted(w[3] - entry for w in live)
-    previous_end = stamp(rows, head_dim, 4 * STAMP_WARPS + 1) - entry
+    ends_by_sm: dict[int, list[int]] = {}
+    for w in live:
+        ends_by_sm.setdefault(w[4], []).append(w[3] - entry)
+    previous_end = stamp(rows, head_dim, PER_WARP * STAMP_WARPS + 1) - entry
     return {
         "gap": -previous_end / 1e3,
         "landed min": landed[0] / 1e3, "landed med": statistics.median(landed) / 1e3, "landed max": landed[-1] / 1e3,
         "end min": ends[0] / 1e3, "end med": statistics.median(ends) / 1e3,
         "end p90": ends[int(0.9 * len(ends))] / 1e3, "end max": ends[-1] / 1e3,
-        "period": (ends[-1] - previous_end) / 1e3, "warps": float(len(live)),
+        "period": (ends[-1] - previous_end) / 1e3,
+        "SM-balanced end": max(statistics.fmean(e) for e in ends_by_sm.values()) / 1e3,
+        "all-balanced end": statistics.fmean(ends) / 1e3,
+        "warps": float(len(live)), "SMs": float(len(ends_by_sm)),
     }
 
 
@@ -181,7 +200,7 @@ def main() -> int:
                 us, medians = stamped_call(module, data, exact, head_dim, args.replays)
                 print(f"head_dim {head_dim} 1 x {tokens} {name}: {us:.2f} us a call in graph (instrumented); "
                       f"medians of {args.replays} replays, us from the first warp's entry:")
-                print("  " + "  ".join(f"{key} {value:.2f}" if key != "warps" else f"warps {value:.0f}"
+                print("  " + "  ".join(f"{key} {value:.2f}" if key not in ("warps", "SMs") else f"{key} {value:.0f}"
                                        for key, value in medians.items()), flush=True)
     return 0
 

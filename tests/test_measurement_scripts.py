@@ -33,7 +33,7 @@ def test_stamps_never_share_a_word_nor_touch_a_row_the_pass_writes(head_dim):
     """A 1 x N-from-0 compress pass writes output rows 127 mod 128 only; the stamps must fit in the
     other rows of the smallest call the script times (8192 tokens), one 64-bit word each."""
     stamps = load_script("warp_stamps")
-    positions = [stamps.stamp_position(i, head_dim) for i in range(4 * stamps.STAMP_WARPS + 2)]
+    positions = [stamps.stamp_position(i, head_dim) for i in range(stamps.PER_WARP * stamps.STAMP_WARPS + 2)]
     assert len(set(positions)) == len(positions)
     assert all(row % 128 != 127 and row < 8192 and col < head_dim // 2 for row, col in positions)
 
