@@ -1,6 +1,6 @@
 """The CPU side of the GPU measurement scripts: prefill_scaling.py's line fit, and warp_stamps.py's
-stamp layout and kernel edits, which must keep applying to (and compiling with) the kernel file as
-it changes. The scripts themselves need a GPU."""
+stamp layout, its reading of the stamps, and its kernel edits, which must keep applying to (and
+compiling with) the kernel file as it changes. The scripts themselves need a GPU."""
 
 from __future__ import annotations
 
@@ -57,3 +57,33 @@ def test_the_instrumented_kernel_compiles(tmp_path):
     flags = ("-std=c++20", "-O0", "--expt-relaxed-constexpr", f"-I{tmp_path / 'stamped'}")
     result = compile_alone(source, "90", tmp_path, flags)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_breakdown_bounds_what_balancing_would_save():
+    """Four warps on two SMs: the SM-balanced end is the later SM's mean end, the all-balanced end the
+    mean of all; warps without a first landed stamp ran no item and are left out."""
+    torch = pytest.importorskip("torch")
+    stamps = load_script("warp_stamps")
+    head_dim = 128
+    out = torch.zeros(8192, head_dim)
+
+    def put(index, value):
+        row, col = stamps.stamp_position(index, head_dim)
+        out[row].view(torch.int64)[col] = value
+
+    base = 10_000_000
+    # (entry, waited, first landed, done, SM) in ns; the last warp ran nothing.
+    warps = [(0, 100, 1_000, 5_000, 0), (200, 300, 2_000, 9_000, 0), (300, 400, 1_200, 4_000, 0),
+             (400, 500, 1_500, 5_500, 1), (0, 0, 0, 0, 0)]
+    for w, values in enumerate(warps):
+        ran = values[2] != 0
+        for j, value in enumerate(values):
+            put(stamps.PER_WARP * w + j, base + value if ran and j < 4 else value)
+    put(stamps.PER_WARP * stamps.STAMP_WARPS + 1, base - 700)  # the previous call's last end
+    result = stamps.breakdown(out, head_dim)
+    assert result["warps"] == 4 and result["SMs"] == 2
+    assert result["gap"] == pytest.approx(0.7)
+    assert result["end max"] == pytest.approx(9.0)
+    assert result["SM-balanced end"] == pytest.approx(6.0)  # SM 0: (5 + 9 + 4) / 3; SM 1: 5.5
+    assert result["all-balanced end"] == pytest.approx(23.5 / 4)
+    assert result["period"] == pytest.approx(9.7)
