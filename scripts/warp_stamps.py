@@ -7,11 +7,12 @@
 Builds an instrumented copy of ``csrc/deepseek_v4/c128_prefill.cuh`` (the edits are EDITS below,
 applied to a temporary copy; the tree is not touched): every warp of the compress pass reads
 ``%globaltimer`` on entry, after its PDL wait, when its first round of tokens has landed, and
-after its last store, and writes these four stamps and its SM (``%smid``) into output rows that a 1 x N-from-0 call never
-writes (rows 127 mod 128 are skipped). The pass also keeps the latest end of any warp, which the
-next call reads after its PDL wait. The script then replays a CUDA graph of 10 calls of one
-request of N new tokens from 0 (float32 state; the write plan is empty, so a call is one kernel)
-and reports, for the last call of each replay, in us from its first warp's entry:
+after its last store, and writes these four stamps and its SM (``%smid``) into output rows that
+a 1 x N-from-0 call never writes (rows 127 mod 128 are skipped). The pass also keeps the latest
+end of any warp, which the next call reads after its PDL wait. The script then replays a CUDA
+graph of 10 calls of one request of N new tokens from 0 (float32 state; the write plan is empty,
+so a call is one kernel) and reports, for the last call of each replay, in us from its first
+warp's entry:
 
 - gap: from the previous call's last warp end to this call's first warp entry (launch);
 - first landed (min / median / max): when warps' first round of tokens arrived;
