@@ -168,6 +168,14 @@ def prefill_case(module, head_dim, batch, extend, random_prefix, gen, singles=0)
                                         (prior_reads + state_writes) * 3 * head_dim)
 
 
+def run_prefill_case(module, data, plans, state=None):
+    """`module.run_prefill` on a `prefill_case`'s tensors and `plans` (compress, write), into its
+    output; `state` stands in for its float32 pool (the pool in another state dtype). For calls timed
+    in graphs or not timed: the eager timings keep the call inline, one Python frame less."""
+    module.run_prefill(data["state"] if state is None else state, data["input"], data["out"], data["ape"],
+                       data["indices"], *plans, None)
+
+
 def decode_case(head_dim, batch, device="cuda"):
     """One decode step of `batch` requests at random positions in random slots: the run_decode
     arguments (extra left out) and the bytes that must cross HBM."""

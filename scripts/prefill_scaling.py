@@ -54,8 +54,7 @@ def main() -> int:
             data, exact, _, traffic = bench.prefill_case(module, head_dim, 1, tokens, False, gen)
 
             def call(data=data, exact=exact):
-                module.run_prefill(data["state"], data["input"], data["out"], data["ape"], data["indices"], *exact,
-                                   None)
+                bench.run_prefill_case(module, data, exact)
 
             nbytes = traffic.bytes(torch.float32)
             src = torch.empty(nbytes // 8, dtype=torch.float32, device="cuda").uniform_()

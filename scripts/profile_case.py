@@ -49,12 +49,11 @@ def main() -> None:
         run = module.run_decode
     else:
         gen = torch.Generator().manual_seed(0)
-        data, (compress_plan, write_plan), _, _ = bench.prefill_case(
+        data, plans, _, _ = bench.prefill_case(
             module, args.head_dim, args.batch, args.new_tokens, args.random_prefix, gen, args.singles)
-        print(f"compress rows {compress_plan.shape[0]}, write rows {write_plan.shape[0]}")
-        call_args = (data["state"].to(dtype), data["input"], data["out"], data["ape"], data["indices"],
-                     compress_plan, write_plan, None)
-        run = module.run_prefill
+        print(f"compress rows {plans[0].shape[0]}, write rows {plans[1].shape[0]}")
+        call_args = (module, data, plans, data["state"].to(dtype))
+        run = bench.run_prefill_case
     for _ in range(args.calls):
         run(*call_args)
     torch.cuda.synchronize()

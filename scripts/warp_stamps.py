@@ -158,7 +158,7 @@ def stamped_call(module, data, exact, head_dim: int, replays: int) -> tuple[floa
     """The call's time in a graph of 10, and the medians of `breakdown` over `replays` replays."""
 
     def call():
-        module.run_prefill(data["state"], data["input"], data["out"], data["ape"], data["indices"], *exact, None)
+        bench.run_prefill_case(module, data, exact)
 
     us = bench.graph_median_ms(call, launches=10, iters=20) * 1e3
     runs = []
