@@ -150,14 +150,16 @@ def test_kernels_fit_the_registers_their_launch_shapes_assume(head_dim, tmp_path
 SLICE_WIDTH_PROGRAM = """
 #include <deepseek_v4/c128_slice_width.cuh>
 
+#include <array>
 #include <cstdio>
 
 using flash_compress::c128::SliceOption;
 
 template <int64_t kHeadDim>
 SliceOption choose(long long rows, long long padding, long long resident, const SliceOption* beside) {
-  return flash_compress::c128::choose_slice_width<kHeadDim>(rows, padding, {resident, resident, resident, resident},
-                                                            beside);
+  std::array<int64_t, flash_compress::c128::kNumSliceDims> every_width;
+  every_width.fill(resident);
+  return flash_compress::c128::choose_slice_width<kHeadDim>(rows, padding, every_width, beside);
 }
 
 SliceOption choose(long long head_dim, long long rows, long long padding, long long resident,

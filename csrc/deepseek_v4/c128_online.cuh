@@ -311,30 +311,17 @@ struct C128Online {
     const int64_t max_live_rows = kWritePass ? int64_t{params.batch_size}
                                              : int64_t{params.num_tokens} / kC128ChunkSize + params.batch_size;
     params.num_split_rows = static_cast<uint32_t>(std::min<int64_t>(params.num_rows, max_live_rows));
-    const std::array<int64_t, 4> resident = {
-        pass_resident_blocks<kWritePass, kSliceDims[0]>(device),
-        pass_resident_blocks<kWritePass, kSliceDims[1]>(device),
-        pass_resident_blocks<kWritePass, kSliceDims[2]>(device),
-        pass_resident_blocks<kWritePass, kSliceDims[3]>(device),
-    };
+    const auto resident = per_slice_width(
+        [&]<class Width>(Width) { return pass_resident_blocks<kWritePass, Width::kDim>(device); });
     const SliceOption chosen = choose_slice_width<kHeadDim>(
         params.num_split_rows, int64_t{params.num_rows} - params.num_split_rows, resident, beside);
     // A compress pass that a write pass follows lets it launch at once, so
     // that its blocks fill the SMs this pass's tail leaves idle.
     const bool starts_write_pass = !kWritePass && params.overlap_passes;
-    switch (chosen.slice_dim) {
-      case kMidSliceDim:
-        launch_grid<kWritePass, kMidSliceDim>(params, device, chosen, starts_write_pass);
-        break;
-      case kNarrowSliceDim:
-        launch_grid<kWritePass, kNarrowSliceDim>(params, device, chosen, starts_write_pass);
-        break;
-      case kNarrowestSliceDim:
-        launch_grid<kWritePass, kNarrowestSliceDim>(params, device, chosen, starts_write_pass);
-        break;
-      default:
-        launch_grid<kWritePass, kWideSliceDim>(params, device, chosen, starts_write_pass);
-    }
+    const bool launched = with_slice_width(chosen.slice_dim, [&]<class Width>(Width) {
+      launch_grid<kWritePass, Width::kDim>(params, device, chosen, starts_write_pass);
+    });
+    host::RuntimeCheck(launched, "prefill slice width ", chosen.slice_dim, " has no kernel");
     return chosen;
   }
 

@@ -7,19 +7,44 @@
 
 #include <algorithm>
 #include <array>
+#include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "c128_prefill.cuh"
 
 namespace flash_compress::c128 {
 
-/// Channel slice widths a prefill pass may run with (PrefillLayout), widest first.
-inline constexpr uint32_t kWideSliceDim = 64;
-inline constexpr uint32_t kMidSliceDim = 32;
-inline constexpr uint32_t kNarrowSliceDim = 16;
-inline constexpr uint32_t kNarrowestSliceDim = 8;
-inline constexpr std::array<uint32_t, 4> kSliceDims = {kWideSliceDim, kMidSliceDim, kNarrowSliceDim,
-                                                       kNarrowestSliceDim};
+/// Channel slice widths a prefill pass may run with (PrefillLayout), widest
+/// first. Every list of per-width values below is indexed like this one.
+inline constexpr std::array<uint32_t, 4> kSliceDims = {64, 32, 16, 8};
+inline constexpr size_t kNumSliceDims = kSliceDims.size();
+
+/// \brief The width kSliceDims[kIndex] as a type, for code that needs it at
+/// compile time (a kernel template argument).
+template <size_t kIndex>
+struct SliceWidth {
+  static constexpr size_t kPosition = kIndex;
+  static constexpr uint32_t kDim = kSliceDims[kIndex];
+};
+
+/// \brief `{f(SliceWidth<0>{}), f(SliceWidth<1>{}), ...}`: one value per width.
+template <class F>
+auto per_slice_width(F&& f) {
+  return [&]<size_t... kIndex>(std::index_sequence<kIndex...>) {
+    return std::array{f(SliceWidth<kIndex>{})...};
+  }(std::make_index_sequence<kNumSliceDims>{});
+}
+
+/// \brief Calls `f(SliceWidth<i>{})` for the i with kSliceDims[i] == `slice_dim`;
+/// false if it is none of them.
+template <class F>
+bool with_slice_width(uint32_t slice_dim, F&& f) {
+  return [&]<size_t... kIndex>(std::index_sequence<kIndex...>) {
+    return ((slice_dim == kSliceDims[kIndex] && (f(SliceWidth<kIndex>{}), true)) || ...);
+  }(std::make_index_sequence<kNumSliceDims>{});
+}
+
 /// Rounds of plan decoding (32 items per warp each) a narrow pass may spend
 /// on a padded plan before its extra rounds cost more than they save.
 inline constexpr int64_t kMaxNarrowScanRounds = 4;
@@ -63,8 +88,8 @@ SliceOption slice_option(int64_t split_rows, int64_t other_rows, int64_t residen
       .blocks = std::min((items + Layout::kWarps - 1) / Layout::kWarps, resident),
       .resident = resident,
       .chain = (split_items + warps - 1) / warps * kRoundsPerChunk,
-      .eligible = kSliceDim == kWideSliceDim ||
-                  (scan_rounds <= kMaxNarrowScanRounds && (kSliceDim != kNarrowestSliceDim || 4 * items <= warps)),
+      .eligible = kSliceDim == kSliceDims.front() ||
+                  (scan_rounds <= kMaxNarrowScanRounds && (kSliceDim != kSliceDims.back() || 4 * items <= warps)),
   };
 }
 
@@ -76,7 +101,7 @@ SliceOption slice_option(int64_t split_rows, int64_t other_rows, int64_t residen
 /// 16384 tokens: 127 us with 64-channel slices, 131 with 32, 173 with 16).
 /// Null if none fits.
 template <class Fits>
-const SliceOption* shortest_chain(const std::array<SliceOption, 4>& options, Fits fits) {
+const SliceOption* shortest_chain(const std::array<SliceOption, kNumSliceDims>& options, Fits fits) {
   const SliceOption* best = nullptr;
   for (const SliceOption& option : options) {
     if (!option.eligible || !fits(option)) continue;
@@ -106,14 +131,11 @@ const SliceOption* shortest_chain(const std::array<SliceOption, 4>& options, Fit
 /// 64-channel slices beside the compress pass where 16-channel ones ran
 /// after it).
 template <int64_t kHeadDim>
-SliceOption choose_slice_width(int64_t split_rows, int64_t other_rows, const std::array<int64_t, 4>& resident,
-                               const SliceOption* beside) {
-  const std::array<SliceOption, 4> options = {
-      slice_option<kHeadDim, kSliceDims[0]>(split_rows, other_rows, resident[0]),
-      slice_option<kHeadDim, kSliceDims[1]>(split_rows, other_rows, resident[1]),
-      slice_option<kHeadDim, kSliceDims[2]>(split_rows, other_rows, resident[2]),
-      slice_option<kHeadDim, kSliceDims[3]>(split_rows, other_rows, resident[3]),
-  };
+SliceOption choose_slice_width(int64_t split_rows, int64_t other_rows,
+                               const std::array<int64_t, kNumSliceDims>& resident, const SliceOption* beside) {
+  const auto options = per_slice_width([&]<class Width>(Width) {
+    return slice_option<kHeadDim, Width::kDim>(split_rows, other_rows, resident[Width::kPosition]);
+  });
   const SliceOption* chosen = shortest_chain(options, [](const SliceOption&) { return true; });
   if (beside != nullptr && beside->blocks > 0) {
     const SliceOption* fitting =
