@@ -15,7 +15,7 @@ It ends with the rate at which a float32-arithmetic stand-in for the kernels
 (``tests/float32_model.py``) stores bf16 states that are not bitwise those of
 the reference (what the schedule harness's ``shadow`` check allows).
 
-CPU only, deterministic (fixed seeds), about 30 s on two cores::
+CPU only, deterministic (fixed seeds), about 10 s on two cores::
 
     python scripts/bf16_accuracy.py                 # head_dim 64 and 512
     python scripts/bf16_accuracy.py --head-dim 512 --seeds 6
