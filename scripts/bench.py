@@ -45,12 +45,16 @@ class Row:
     pct_copy: float
 
 
-def median_ms(fn, iters: int = 50, warmup: int = 5) -> float:
+def median_ms(fn, iters: int = 50, warmup: int = 5, before=None) -> float:
+    """Median time of one `fn` call between CUDA events; `before`, if given, runs ahead of each
+    timed call, outside the events (an L2 flush, say)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

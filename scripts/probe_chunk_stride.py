@@ -6,31 +6,22 @@
 A one-wave prefill pass reads 256 chunks at once, each 128 token rows of 2 * head_dim floats,
 the chunks a power of two of bytes apart. This sums the 128 rows of each chunk with torch
 (threads over a row's floats, a loop over its tokens: the same order of reads) with the chunks
-`pad` floats further apart, the L2 cache flushed before each timing; medians of 30 runs. If
-power-of-two strides collided in DRAM, a padded layout would read faster. docs/PERF_LOG.md
-(thirteenth session) has the result.
+`pad` floats further apart, the L2 cache flushed before each timing; medians of 30 runs
+(`bench.median_ms`). If power-of-two strides collided in DRAM, a padded layout would read
+faster. docs/PERF_LOG.md (thirteenth session) has the result.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
+
 CHUNKS, CHUNK_SIZE = 256, 128
-
-
-def median_us(fn, flush: torch.Tensor, iters: int = 30) -> float:
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[iters // 2]
 
 
 def main() -> None:
@@ -45,7 +36,8 @@ def main() -> None:
             chunks = storage.as_strided((CHUNKS, CHUNK_SIZE, row), (chunk + pad, row, 1))
             out = torch.empty(CHUNKS, row, device="cuda")
             torch.sum(chunks, dim=1, out=out)
-            us = median_us(lambda: torch.sum(chunks, dim=1, out=out), flush)
+            us = 1e3 * bench.median_ms(lambda: torch.sum(chunks, dim=1, out=out), iters=30, warmup=0,
+                                       before=flush.zero_)
             print(f"head_dim {head_dim} pad {pad:5d} floats: {us:8.2f} us {CHUNKS * chunk * 4 / us / 1e3:7.1f} GB/s")
 
 
