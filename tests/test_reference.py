@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import device_values as dv
 import oracle
 from flash_compress import reference as ref
 from flash_compress.plan_rows import CHUNK_SIZE, PADDING_ROW, decode_rows, encode_rows
@@ -209,35 +210,72 @@ def test_prefill_skips_sentinel_rows():
         ((9, 0, 9, 4), "write"),  # ragged id past the input
     ],
 )
-def test_prefill_rejects_malformed_rows(row, which):
+def test_prefill_skips_malformed_rows(row, which):
+    """A row the kernels skip (docs/RELIABILITY.md section 2) is skipped here too: no error, nothing written."""
     buf, inp, out, ape = _tensors()
     before = buf.clone()
     bad = encode_rows([row])
     empty = torch.empty(0, 16, dtype=torch.uint8)
     plans = (bad, empty) if which == "compress" else (empty, bad)
-    with pytest.raises(ValueError):
-        ref.run_prefill(buf, inp, out, ape, torch.tensor([0], dtype=torch.int32), *plans)
+    ref.run_prefill(buf, inp, out, ape, torch.tensor([0], dtype=torch.int32), *plans)
     assert torch.equal(buf, before) and torch.isnan(out).all()
 
 
-def test_run_functions_reject_bad_slots_and_lengths():
+def test_run_functions_skip_bad_slots_and_lengths():
+    """Slots outside the pool and seq_len < 1 are device values: skipped, as the kernels skip them."""
     buf, inp, out, ape = _tensors()
     before = buf.clone()
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    with pytest.raises(ValueError):
-        ref.run_decode(buf, inp[:1], out[:1], ape, i32(3), i32(5))  # slot past the pool
-    with pytest.raises(ValueError):
-        ref.run_decode(buf, inp[:1], out[:1], ape, i32(-1), i32(5))
-    with pytest.raises(ValueError):
-        ref.run_decode(buf, inp[:1], out[:1], ape, i32(0), i32(0))  # seq_len 0: no token position
-    with pytest.raises(ValueError):
-        ref.run_decode(buf, inp[:2], out[:2], ape, i32(0), i32(5))  # batch mismatch
-    with pytest.raises(TypeError):
-        ref.run_decode(buf, inp[:1], out[:1], ape, torch.tensor([0.0]), i32(5))
+    ref.run_decode(buf, inp[:1], out[:1], ape, i32(3), i32(5))  # slot past the pool
+    ref.run_decode(buf, inp[:1], out[:1], ape, i32(-1), i32(5))
+    ref.run_decode(buf, inp[:1], out[:1], ape, i32(0), i32(0))  # seq_len 0: no token position
+    ref.run_decode(buf, inp[:1], out[:1], ape, i32(0), i32(-5))
+    ref.run_decode(buf, inp[:1], out[:1], ape, i32(2**31 - 1), i32(128))  # would write the output row
     _, cp, wp = plan_with(ref, [4], [10], False)
-    with pytest.raises(ValueError):
-        ref.run_prefill(buf, inp, out, ape, i32(0), cp[:0], wp[:1], i32(7))  # load slot past the pool
+    ref.run_prefill(buf, inp[:4], out[:4], ape, i32(0), cp[:0], wp[:1], i32(7))  # load slot past the pool
+    ref.run_prefill(buf, inp[:4], out[:4], ape, i32(-2**31), cp[:0], wp[:1], i32(0))  # target past the pool
     assert torch.equal(buf, before) and torch.isnan(out).all()
+
+
+def test_run_functions_reject_bad_arguments():
+    """What the compiled exports check on the host raises here too, before anything is written."""
+    buf, inp, out, ape = _tensors()
+    before = buf.clone()
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="indices"):
+        ref.run_decode(buf, inp[:2], out[:2], ape, i32(0), i32(5))  # batch mismatch
+    with pytest.raises(TypeError, match="indices"):
+        ref.run_decode(buf, inp[:1], out[:1], ape, torch.tensor([0.0]), i32(5))
+    with pytest.raises(TypeError, match="seq_lens.*int32"):
+        ref.run_decode(buf, inp[:1], out[:1], ape, i32(0), torch.tensor([5]))  # int64
+    with pytest.raises(TypeError, match="kv_score_input.*float32"):
+        ref.run_decode(buf, inp[:1].double(), out[:1], ape, i32(0), i32(5))
+    with pytest.raises(TypeError, match="ape.*float32"):
+        ref.run_decode(buf, inp[:1], out[:1], ape.half(), i32(0), i32(5))
+    with pytest.raises(TypeError, match="kv_compressed_output.*float32"):
+        ref.run_decode(buf, inp[:1], out[:1].bfloat16(), ape, i32(0), i32(5))
+    with pytest.raises(TypeError, match="kv_score_buffer"):
+        ref.run_decode(buf.double(), inp[:1], out[:1], ape, i32(0), i32(5))
+    _, cp, wp = plan_with(ref, [4], [10], False)
+    with pytest.raises(TypeError, match="load_indices.*int32"):
+        ref.run_prefill(buf, inp[:4], out[:4], ape, i32(0), cp[:0], wp[:1], torch.tensor([0]))
+    with pytest.raises(TypeError, match="write_plan"):
+        ref.run_prefill(buf, inp[:4], out[:4], ape, i32(0), cp[:0], wp[:1].int(), None)
+    with pytest.raises(ValueError, match="compress_plan"):
+        ref.run_prefill(buf, inp[:4], out[:4], ape, i32(0), cp[:0, :8], wp[:1], None)
+    assert torch.equal(buf, before) and torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_skips_match_the_kernels_skip_rule(seed):
+    """The reference on calls mixing good and bad device values equals the reference on the good rows alone,
+    which ``tests/device_values.py`` picks with its own statement of the kernels' skip rule."""
+    for call in (dv.bad_decode_call(seed, 64), dv.bad_prefill_call(seed, 64), dv.random_bytes_call(seed, 64)):
+        args = list(call.args())
+        args[0], args[2] = call.buffer.clone(), call.output.clone()  # the pool and the output, written in place
+        run = ref.run_decode if isinstance(call, dv.DecodeCall) else ref.run_prefill
+        run(*args)
+        dv.check_against_reference(call, args[0], args[2], f"seed {seed} {type(call).__name__}")
 
 
 def test_decode_semantics_by_position():
@@ -347,12 +385,18 @@ def test_planner_cuda_graph_padding_is_all_ff():
     assert not bool((cp[0] == 0xFF).all())
 
 
-def test_planner_accepts_int32_lengths():
+def test_planner_takes_int64_host_lengths_as_the_compiled_host_planner():
     cp = torch.zeros(130, 16, dtype=torch.uint8)
     wp = torch.zeros(130, 16, dtype=torch.uint8)
-    counts = ref.plan_online_prefill(torch.tensor([130], dtype=torch.int32), torch.tensor([200], dtype=torch.int32),
-                                     cp, wp, False)
-    assert counts == (1, 1)
+    i64 = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+    with pytest.raises(TypeError, match="extend_lens.*int64"):
+        ref.plan_online_prefill(i64(130).int(), i64(200), cp, wp, False)
+    with pytest.raises(TypeError, match="seq_lens.*int64"):
+        ref.plan_online_prefill(i64(130), i64(200).int(), cp, wp, False)
+    with pytest.raises(ValueError, match="extend_lens.*host"):
+        ref.plan_online_prefill(i64(130).to("meta"), i64(200), cp, wp, False)
+    assert not cp.any() and not wp.any()
+    assert ref.plan_online_prefill(i64(130), i64(200), cp, wp, False) == (1, 1)
     assert _rows(cp, 1) == [(57, 0, 127, 58)] and _rows(wp, 1) == [(129, 0, 199, 72)]
 
 

@@ -335,7 +335,7 @@ def test_state_buffer_of_another_float_dtype_is_refused_before_writing(function,
     buf = torch.randn(2, 1, 192).to(dtype)
     before = buf.clone()
     fn, args, out = _calls(buf)[function]
-    with pytest.raises(ValueError, match=r"argument 'kv_score_buffer': expected dtype float32 or bfloat16.*got "
+    with pytest.raises(TypeError, match=r"argument 'kv_score_buffer': expected dtype float32 or bfloat16.*got "
                        + str(dtype)):
         fn(*args)
     assert torch.equal(buf, before) and torch.isnan(out).all()

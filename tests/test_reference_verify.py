@@ -236,8 +236,11 @@ VERIFY_ERRORS = {
     "prefix_states device": (lambda a: _replace(a, prefix=a["prefix"].to("meta")), ValueError,
                              r"'prefix_states'.*device"),
     "seq_lens device": (lambda a: _replace(a, seq_lens=a["seq_lens"].to("meta")), ValueError, r"'seq_lens'.*device"),
-    "buffer dtype": (lambda a: _replace(a, buffer=a["buffer"].half()), ValueError, r"'kv_score_buffer'.*dtype"),
+    "buffer dtype": (lambda a: _replace(a, buffer=a["buffer"].half()), TypeError, r"'kv_score_buffer'.*dtype"),
     "ape shape": (lambda a: _replace(a, ape=a["ape"][:64]), ValueError, r"'ape'"),
+    "ape dtype": (lambda a: _replace(a, ape=a["ape"].half()), TypeError, r"'ape'.*float32"),
+    "input dtype": (lambda a: _replace(a, inp=a["inp"].double()), TypeError, r"'kv_score_input'.*float32"),
+    "output dtype": (lambda a: _replace(a, out=a["out"].bfloat16()), TypeError, r"'kv_compressed_output'.*float32"),
 }
 
 
@@ -267,7 +270,7 @@ COMMIT_ERRORS = {
     "accept_lens device": (lambda a: _replace(a, accept=a["accept"].to("meta")), ValueError, r"'accept_lens'.*device"),
     "indices dtype": (lambda a: _replace(a, indices=a["indices"].long()), TypeError, r"'indices'.*int32"),
     "buffer width": (lambda a: _replace(a, buffer=a["buffer"][..., :100]), ValueError, r"'kv_score_buffer'.*3D"),
-    "buffer dtype": (lambda a: _replace(a, buffer=a["buffer"].double()), ValueError, r"'kv_score_buffer'.*dtype"),
+    "buffer dtype": (lambda a: _replace(a, buffer=a["buffer"].double()), TypeError, r"'kv_score_buffer'.*dtype"),
     "not a tensor": (lambda a: _replace(a, prefix=[1.0]), TypeError, r"'prefix_states'.*torch.Tensor"),
 }
 

@@ -65,9 +65,14 @@ def check_lengths(lengths: object, name: str) -> None:
         raise ValueError(f"argument '{name}': expected a 1-D tensor [B], got shape {list(lengths.shape)}")
 
 
-def _host_lengths(lengths: torch.Tensor, name: str) -> list[int]:
+def _host_lengths(lengths: object, name: str) -> list[int]:
+    """The values of a ``[B]`` int64 host tensor, checked as the compiled host planner checks it."""
     check_lengths(lengths, name)
-    return [int(x) for x in lengths.detach().to("cpu").tolist()]
+    if lengths.dtype != torch.int64:
+        raise TypeError(f"argument '{name}': expected dtype int64, got {lengths.dtype}")
+    if lengths.device.type != "cpu":
+        raise ValueError(f"argument '{name}': expected a host (CPU or pinned) tensor, got device {lengths.device}")
+    return [int(x) for x in lengths.tolist()]
 
 
 def plan_online_prefill(
@@ -79,7 +84,7 @@ def plan_online_prefill(
 ) -> tuple[int, int]:
     """Plans an online prefill; writes the plan rows in place and returns ``(num_compress, num_write)``.
 
-    ``extend_lens`` and ``seq_lens`` are ``[B]`` int64 (int32 accepted) tensors;
+    ``extend_lens`` and ``seq_lens`` are ``[B]`` int64 host (CPU or pinned) tensors;
     ``seq_lens`` include the new tokens. ``compress_plan`` and ``write_plan`` are
     contiguous ``[M, 16]`` uint8 tensors with ``M = sum(extend_lens)``. Rows
     ``0 .. num_compress`` of ``compress_plan`` and ``0 .. num_write`` of

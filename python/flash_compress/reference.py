@@ -39,14 +39,18 @@ re-expressed against that rounded max before it is rounded itself, so
 fields, kept only to compare against (``scripts/bf16_accuracy.py``). Float32
 states ignore the switch.
 
-Checks that need the values of device tensors (indices in range, seq_len >= 1,
-plan rows that fit the input) are done here too, by reading the values back:
-decode and prefill raise :class:`ValueError` where the kernels would skip.
-Verify and commit instead skip exactly as their kernels do (SPEC section 9
-says so): a slot outside the pool, ``seq_len < T`` (verify) or an accepted
-length outside ``[1, T]`` (commit) leaves everything of that request
-untouched, and only argument checks raise. Everything is validated before
-anything is written.
+Arguments are checked as the compiled exports check them (dtypes, shapes,
+devices), with the same ``argument 'NAME': expected ..., got ...`` errors,
+before anything is written. Values the kernels can only see on the device are
+not errors: every function skips what its kernel skips (SPEC section 9,
+``docs/RELIABILITY.md`` section 2), so a call gives the same result on the CPU
+as on the GPU. Decode skips a request whose slot is outside the pool or whose
+``seq_len < 1``; prefill skips a plan row that does not fit the call or whose
+slot is outside the pool; verify skips a request with a slot outside the pool
+or ``seq_len < T``; commit one with a slot outside the pool or an accepted
+length outside ``[1, T]``. Nothing of a skipped request or row is written.
+(The torch API's debug mode, ``FLASH_COMPRESS_DEBUG=1``, raises for these
+values instead.)
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ import numpy as np
 import torch
 
 from .host_planner import plan_online_prefill, plan_segments
-from .plan_rows import CHUNK_SIZE, PADDING_ROW, check_plan_tensor, check_rows, decode_rows
+from .plan_rows import CHUNK_SIZE, PADDING_ROW, check_plan_tensor, decode_rows, live_rows, row_problems
 
 __all__ = [
     "MAX_VERIFY_TOKENS",
@@ -72,7 +76,6 @@ __all__ = [
     "state_to_store",
 ]
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
 #: The dtypes a state pool (``kv_score_buffer``) may have (SPEC section 8).
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 #: Most tokens per request one verify step takes (SPEC section 9).
@@ -156,13 +159,10 @@ def _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, 
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"argument '{name}': expected a floating-point tensor, got {t.dtype}")
-    if kv_score_buffer.dtype not in STATE_DTYPES:
-        raise ValueError(
-            f"argument 'kv_score_buffer': expected dtype float32 or bfloat16 (the state dtype), "
-            f"got {kv_score_buffer.dtype}"
-        )
+    _check_state_dtype(kv_score_buffer)
+    for name, t in tensors.items():
+        if name != "kv_score_buffer" and t.dtype != torch.float32:
+            raise TypeError(f"argument '{name}': expected dtype float32, got {t.dtype}")
     if ape.dim() != 2 or ape.shape[0] != CHUNK_SIZE:
         raise ValueError(f"argument 'ape': expected shape [{CHUNK_SIZE}, D], got {list(ape.shape)}")
     d = ape.shape[1]
@@ -189,13 +189,21 @@ def _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, 
     return d
 
 
-def _index_vector(t, name: str, device, batch: Optional[int] = None, *, like: str = "",
-                  dtypes: tuple[torch.dtype, ...] = _INDEX_DTYPES) -> int:
-    """Checks a ``[B]`` index tensor on ``device`` (int32; ``dtypes`` says what else passes) with
-    ``B = batch`` when given (``like`` names where B comes from); returns B."""
+def _check_state_dtype(kv_score_buffer: torch.Tensor) -> None:
+    """The pool's dtype is a state dtype (SPEC section 8), or TypeError naming it, as the exports raise."""
+    if kv_score_buffer.dtype not in STATE_DTYPES:
+        raise TypeError(
+            f"argument 'kv_score_buffer': expected dtype float32 or bfloat16 (the state dtype), "
+            f"got {kv_score_buffer.dtype}"
+        )
+
+
+def _index_vector(t, name: str, device, batch: Optional[int] = None, *, like: str = "") -> int:
+    """Checks a ``[B]`` int32 index tensor on ``device`` with ``B = batch`` when given (``like``
+    names where B comes from); returns B."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
+    if t.dtype != torch.int32:
         raise TypeError(f"argument '{name}': expected dtype int32, got {t.dtype}")
     if t.dim() != 1 or (batch is not None and t.shape[0] != batch):
         want = "[B]" if batch is None else f"[{batch}]" + (f" like {like}" if like else "")
@@ -205,15 +213,9 @@ def _index_vector(t, name: str, device, batch: Optional[int] = None, *, like: st
     return t.shape[0]
 
 
-def _slot_indices(indices, name: str, num_slots: int, device, batch: Optional[int] = None, *,
-                  like: str = "") -> torch.Tensor:
-    """Validates an ``[B]`` slot index tensor (:func:`_index_vector`), every slot in the pool; returns
-    it as int64 on ``device``."""
-    batch = _index_vector(indices, name, device, batch, like=like)
-    out = indices.to(torch.int64)
-    if batch and (int(out.min()) < 0 or int(out.max()) >= num_slots):
-        raise ValueError(f"argument '{name}': expected every slot in [0, {num_slots}), got {out.tolist()}")
-    return out
+def _in_pool(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Which of the ``[B]`` slot indices address the pool; the kernels skip the rest."""
+    return (slots >= 0) & (slots < num_slots)
 
 
 # ---------------------------------------------------------------------------
@@ -246,22 +248,23 @@ def run_decode(
     ``extra`` is unused. Shapes: buffer ``[S, 1, 3D]`` float32 or bfloat16,
     input ``[B, 2D]``, output ``[B, D]``, ape ``[128, D]``, indices and seq_lens
     ``[B]`` int32. Each stored state is rounded once (:func:`state_to_store`;
-    ``exact_bf16_stores`` picks the bfloat16 scheme). Returns None.
+    ``exact_bf16_stores`` picks the bfloat16 scheme). A request whose slot is
+    outside ``[0, S)`` or whose ``seq_len < 1`` is skipped, as the kernel skips
+    it: its output row and every slot stay as they were. Returns None.
     """
     d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape)
     exact = _check_flag(exact_bf16_stores, "exact_bf16_stores")
     batch = kv_score_input.shape[0]
     device = kv_score_buffer.device
-    slots = _slot_indices(indices, "indices", kv_score_buffer.shape[0], device, batch, like="kv_score_input rows")
+    _index_vector(indices, "indices", device, batch, like="kv_score_input rows")
     _index_vector(seq_lens, "seq_lens", device, batch, like="kv_score_input rows")
-    if batch == 0:
+    live = (_in_pool(indices, kv_score_buffer.shape[0]) & (seq_lens >= 1)).nonzero().flatten()
+    if not len(live):
         return
-    position = seq_lens.to(torch.int64) - 1
-    if int(position.min()) < 0:
-        raise ValueError(f"argument 'seq_lens': expected every seq_len >= 1, got {seq_lens.tolist()}")
-    j = position % CHUNK_SIZE
+    slots = indices[live].to(torch.int64)
+    j = (seq_lens[live].to(torch.int64) - 1) % CHUNK_SIZE
 
-    x = kv_score_input.to(torch.float64)
+    x = kv_score_input[live].to(torch.float64)
     v = x[:, :d]
     s = x[:, d:] + ape.to(torch.float64)[j]
     state = kv_score_buffer[slots, 0].to(torch.float64)
@@ -269,7 +272,7 @@ def run_decode(
 
     closes = j == CHUNK_SIZE - 1
     if bool(closes.any()):
-        kv_compressed_output[closes] = new_kv[closes].to(kv_compressed_output.dtype)
+        kv_compressed_output[live[closes]] = new_kv[closes].to(kv_compressed_output.dtype)
     keep = ~closes
     if bool(keep.any()):
         kv_score_buffer[slots[keep], 0] = state_to_store(
@@ -282,21 +285,42 @@ def run_decode(
 # ---------------------------------------------------------------------------
 
 
-def _live_rows(plan: torch.Tensor, name: str, num_tokens: int, batch: int, compress: bool) -> torch.Tensor:
-    """Decodes a plan, drops padding rows and checks the rest against the input sizes (``plan_rows.check_rows``)."""
-    check_plan_tensor(plan, name)  # first, so that a wrong tensor is named as such
-    return check_rows(plan, name, num_tokens=num_tokens, batch=batch, compress=compress)
+def _runnable_rows(plan: torch.Tensor, *, compress: bool, num_tokens: int, indices: torch.Tensor,
+                   load_indices: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``plan`` a prefill pass runs, and their indices in the plan.
+
+    As the kernels' ``decode_segment``: padding rows, rows that break a rule of
+    SPEC section 4 against this call (``plan_rows.row_problems``), rows that
+    need a prior state from a ``load_indices`` slot outside the pool and, in
+    the write pass, rows whose ``indices`` slot is outside the pool are skipped.
+    """
+    rows = decode_rows(plan)
+    where = (rows[:, 0] != PADDING_ROW).nonzero().flatten()
+    rows = live_rows(rows)
+    keep = torch.ones(len(rows), dtype=torch.bool)
+    for violated, _ in row_problems(rows, num_tokens=num_tokens, batch=len(indices), compress=compress):
+        keep &= ~violated
+    if not bool(keep.any()):  # also every row of an empty batch
+        return rows[keep], where[keep]
+    batch_id = torch.where(keep, rows[:, 1], 0)  # in range wherever keep holds
+    starts_mid_chunk = (rows[:, 2] % CHUNK_SIZE) + 1 != rows[:, 3]
+    keep &= ~starts_mid_chunk | _in_pool(load_indices.cpu()[batch_id], num_slots)
+    if not compress:
+        keep &= _in_pool(indices.cpu()[batch_id], num_slots)
+    return rows[keep], where[keep]
 
 
-def _prefill_row_state(row, x: torch.Tensor, ape64: torch.Tensor, prior: torch.Tensor, d: int):
-    """The state after segment ``row``: its tokens' softmax, merged with ``prior`` unless it starts a chunk."""
+def _prefill_row_state(row, x: torch.Tensor, ape64: torch.Tensor, kv_score_buffer: torch.Tensor, load_slot: int,
+                       d: int):
+    """The state after segment ``row``: its tokens' softmax, merged with the state in ``load_slot`` unless it
+    starts a chunk (the slot is read only then: a row that needs no prior state runs whatever its slot)."""
     ragged, _, position, window = (int(v) for v in row)
     end = position % CHUNK_SIZE
     start = end - window + 1
     tokens = x[ragged - window + 1 : ragged + 1]
     state = _segment_state(tokens[:, :d], tokens[:, d:] + ape64[start : end + 1])
     if start > 0:
-        prior64 = prior.to(torch.float64)
+        prior64 = kv_score_buffer[load_slot, 0].to(torch.float64)
         state = _merge(prior64[:d], prior64[d : 2 * d], prior64[2 * d :], *state)
     return state
 
@@ -333,7 +357,11 @@ def run_prefill(
        bfloat16; :func:`state_to_store`, ``exact_bf16_stores`` picks the
        bfloat16 scheme).
 
-    Raises :class:`ValueError` (nothing written) for malformed rows or slots out of range.
+    Rows the kernels skip are skipped (nothing of them written): padding rows,
+    rows that do not fit the call (SPEC section 4's rules against the input's
+    rows and the batch) and rows whose slot is outside ``[0, S)``
+    (``load_indices`` for a segment that starts mid-chunk, ``indices`` for a
+    write row).
     """
     _prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, compress_plan, write_plan,
              load_indices, compact=False, exact_bf16_stores=exact_bf16_stores)
@@ -367,34 +395,32 @@ def _prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices
         output_rows = (compress_plan.shape[0], "compress_plan rows")
     d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape, output_rows)
     exact = _check_flag(exact_bf16_stores, "exact_bf16_stores")
-    num_tokens = kv_score_input.shape[0]
+    num_tokens, num_slots = kv_score_input.shape[0], kv_score_buffer.shape[0]
     device = kv_score_buffer.device
-    slots = _slot_indices(indices, "indices", kv_score_buffer.shape[0], device)
-    batch = len(slots)
+    batch = _index_vector(indices, "indices", device)
     if load_indices is None:
-        load_slots = slots
+        load_indices = indices
     else:
-        load_slots = _slot_indices(load_indices, "load_indices", kv_score_buffer.shape[0], device, batch,
-                                   like="indices")
-    compress_rows = _live_rows(compress_plan, "compress_plan", num_tokens, batch, compress=True)
-    write_rows = _live_rows(write_plan, "write_plan", num_tokens, batch, compress=False)
+        _index_vector(load_indices, "load_indices", device, batch, like="indices")
+    check_plan_tensor(compress_plan, "compress_plan")
+    check_plan_tensor(write_plan, "write_plan")
+    runnable = dict(num_tokens=num_tokens, indices=indices, load_indices=load_indices, num_slots=num_slots)
+    compress_rows, compress_where = _runnable_rows(compress_plan, compress=True, **runnable)
+    write_rows, _ = _runnable_rows(write_plan, compress=False, **runnable)
     if not len(compress_rows) and not len(write_rows):
         return
-    if compact:  # output row of each live row: its index in the plan, padding rows included
-        targets = (decode_rows(compress_plan)[:, 0] != PADDING_ROW).nonzero().flatten().tolist()
-    else:
-        targets = compress_rows[:, 0].tolist()
+    # A compact output has a row per plan row; otherwise a compress row's result goes to its ragged row.
+    targets = (compress_where if compact else compress_rows[:, 0]).tolist()
 
     x = kv_score_input.to(torch.float64)
     ape64 = ape.to(torch.float64)
-    load_list = load_slots.tolist()
-    store_list = slots.tolist()
+    load_list = load_indices.tolist()
+    store_list = indices.tolist()
 
     # 1. Compress pass: reads prior states, writes only output rows.
     outputs = []
     for row, target in zip(compress_rows, targets):
-        prior = kv_score_buffer[load_list[int(row[1])], 0]
-        _, _, kv = _prefill_row_state(row, x, ape64, prior, d)
+        _, _, kv = _prefill_row_state(row, x, ape64, kv_score_buffer, load_list[int(row[1])], d)
         outputs.append((target, kv))
     for target, kv in outputs:
         kv_compressed_output[target] = kv.to(kv_compressed_output.dtype)
@@ -403,8 +429,7 @@ def _prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices
     states = []
     for row in write_rows:
         b = int(row[1])
-        prior = kv_score_buffer[load_list[b], 0]
-        m, total, kv = _prefill_row_state(row, x, ape64, prior, d)
+        m, total, kv = _prefill_row_state(row, x, ape64, kv_score_buffer, load_list[b], d)
         states.append((store_list[b], state_to_store(m, total, kv, kv_score_buffer.dtype, exact_bf16_stores=exact)))
     for slot, state in states:
         kv_score_buffer[slot, 0] = state
@@ -489,8 +514,8 @@ def run_verify(
     d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape)
     exact = _check_flag(exact_bf16_stores, "exact_bf16_stores")
     device = kv_score_buffer.device
-    batch = _index_vector(indices, "indices", device, dtypes=(torch.int32,))
-    _index_vector(seq_lens, "seq_lens", device, batch, like="indices", dtypes=(torch.int32,))
+    batch = _index_vector(indices, "indices", device)
+    _index_vector(seq_lens, "seq_lens", device, batch, like="indices")
     rows = kv_score_input.shape[0]
     _check_prefix_states(prefix_states, kv_score_buffer, rows)
     window = _tokens_per_request(rows, batch, "kv_score_input")
@@ -540,11 +565,7 @@ def run_commit(
     """
     if not isinstance(kv_score_buffer, torch.Tensor):
         raise TypeError(f"argument 'kv_score_buffer': expected a torch.Tensor, got {type(kv_score_buffer).__name__}")
-    if kv_score_buffer.dtype not in STATE_DTYPES:
-        raise ValueError(
-            f"argument 'kv_score_buffer': expected dtype float32 or bfloat16 (the state dtype), "
-            f"got {kv_score_buffer.dtype}"
-        )
+    _check_state_dtype(kv_score_buffer)
     shape = list(kv_score_buffer.shape)
     if len(shape) != 3 or shape[1] != 1 or shape[2] % 3 or not shape[2]:
         raise ValueError(f"argument 'kv_score_buffer': expected shape [S, 1, 3D], got {shape}")
@@ -553,8 +574,8 @@ def run_commit(
     rows = prefix_states.shape[0] if prefix_states.dim() else 0
     _check_prefix_states(prefix_states, kv_score_buffer, rows)
     device = kv_score_buffer.device
-    batch = _index_vector(indices, "indices", device, dtypes=(torch.int32,))
-    _index_vector(accept_lens, "accept_lens", device, batch, like="indices", dtypes=(torch.int32,))
+    batch = _index_vector(indices, "indices", device)
+    _index_vector(accept_lens, "accept_lens", device, batch, like="indices")
     window = _tokens_per_request(rows, batch, "prefix_states")
     num_slots = shape[0]
     slots, accepted = indices.tolist(), accept_lens.tolist()
