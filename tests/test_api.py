@@ -273,7 +273,7 @@ def test_debug_prefill_checks_the_gpu_planner_error_flag(debug_mode):
     inp = torch.randn(4, 2 * D, generator=gen)
     pad = torch.full((4, 16), 0xFF, dtype=torch.uint8)
     flagged = fc.PrefillPlan(pad, pad.clone(), 4, 4, True, counts=torch.tensor([4, 4, 1], dtype=torch.int32))
-    with pytest.raises(ValueError, match="'plan'.*error flag 1"):
+    with pytest.raises(ValueError, match=r"'plan'.*error flag 1 \(some extend_lens\[b\] < 1\)"):
         fc.prefill(buf, inp, ape, torch.tensor([0], dtype=torch.int32), flagged)
     clean = fc.PrefillPlan(pad, pad.clone(), 4, 4, True, counts=torch.tensor([4, 4, 0], dtype=torch.int32))
     fc.prefill(buf, inp, ape, torch.tensor([0], dtype=torch.int32), clean)

@@ -21,15 +21,16 @@ import torch
 
 import oracle
 from flash_compress import reference as ref
-from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE
+from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE, PlanError
 from schedule import counts_of, plan_with
 from test_planner import LIMIT_CASES
 
 pytestmark = pytest.mark.nvcc
 
 ERRORS = (ValueError, TypeError, RuntimeError)
-# Error flag bits (csrc/deepseek_v4/c128_plan_kernel.cuh, docs/GPU_PLANNER.md).
-EXTEND_NOT_POSITIVE, EXTEND_EXCEEDS_SEQ, SEQ_TOO_LONG, SUM_MISMATCH = 1, 2, 4, 8
+# The error flag's bits.
+EXTEND_NOT_POSITIVE, EXTEND_EXCEEDS_SEQ = PlanError.EXTEND_NOT_POSITIVE, PlanError.EXTEND_EXCEEDS_SEQ
+SEQ_TOO_LONG, SUM_MISMATCH = PlanError.SEQ_TOO_LONG, PlanError.SUM_MISMATCH
 
 _modules: dict[tuple[int, bool], object] = {}
 

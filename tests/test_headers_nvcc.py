@@ -145,6 +145,35 @@ def test_kernels_fit_the_registers_their_launch_shapes_assume(head_dim, tmp_path
     assert bf16_decode and max(bf16_decode.values()) <= 32, bf16_decode
 
 
+def shared_facts_program() -> str:
+    """A unit that compiles only where the C++ homes of the facts Python also needs hold Python's values."""
+    from flash_compress.plan_rows import CHUNK_SIZE, MAX_LENGTH, PADDING_ROW, ROW_BYTES, PlanError
+    from flash_compress.reference import MAX_VERIFY_TOKENS
+
+    checks = [
+        ("device::compress::kC128ChunkSize", CHUNK_SIZE),
+        ("device::compress::kPrefillPlanBytes", ROW_BYTES),
+        ("device::compress::kPlanSentinel", PADDING_ROW),
+        ("device::compress::kMaxPlanLength", MAX_LENGTH),
+        ("flash_compress::c128::kMaxVerifyTokens", MAX_VERIFY_TOKENS),
+        *((f"flash_compress::c128::kPlanError{''.join(w.title() for w in bit.name.split('_'))}", int(bit))
+          for bit in PlanError),
+    ]
+    asserts = "".join(f'static_assert({name} == {value}LL, "{name} != {value}");\n' for name, value in checks)
+    return "#include <deepseek_v4/c128_online.cuh>\n" + asserts
+
+
+@needs_nvcc
+@pytest.mark.nvcc
+def test_python_and_cpp_agree_on_the_shared_facts(tmp_path):
+    """One home per fact in each language (plan_rows.py, compress.cuh): the chunk size, the plan row's
+    size, padding value and length limit, the GPU planner's error bits and the most verify tokens."""
+    program = shared_facts_program()
+    assert program.count("static_assert") == 9
+    result = compile_alone(program, "90", tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 # Prints choose_slice_width's (width, grid, chain) for each line of stdin, "head_dim rows padding
 # resident beside_rows" (beside_rows 0: no compress pass beside; else its rows, no padding).
 SLICE_WIDTH_PROGRAM = """

@@ -29,7 +29,8 @@
 
 namespace flash_compress::c128 {
 
-/// Most draft tokens per request one verify step takes (reference.MAX_VERIFY_TOKENS).
+/// Most tokens per request (T: the last accepted token and T-1 drafts) one
+/// verify step takes (reference.MAX_VERIFY_TOKENS).
 inline constexpr int64_t kMaxVerifyTokens = 16;
 
 /// \brief The argument checks the exports share: each binds the sizes and the
@@ -263,12 +264,12 @@ struct C128Online {
     Checks::per_request(load_from, B, device, "load_indices");
     verify_plan(compress_plan, num_compress, device, "compress_plan");
     verify_plan(write_plan, num_write, device, "write_plan");
-    CheckAs("ValueError", N.unwrap() < kPlanSentinel, "argument 'kv_score_input': expected fewer than 2^32-1 rows, got ",
-            N.unwrap());
-    CheckAs("ValueError", num_compress.unwrap() < kPlanSentinel,
-            "argument 'compress_plan': expected fewer than 2^32-1 rows, got ", num_compress.unwrap());
-    CheckAs("ValueError", num_write.unwrap() < kPlanSentinel,
-            "argument 'write_plan': expected fewer than 2^32-1 rows, got ", num_write.unwrap());
+    CheckAs("ValueError", N.unwrap() <= kMaxPlanLength, "argument 'kv_score_input': expected at most ",
+            kMaxPlanLength, " rows, got ", N.unwrap());
+    CheckAs("ValueError", num_compress.unwrap() <= kMaxPlanLength, "argument 'compress_plan': expected at most ",
+            kMaxPlanLength, " rows, got ", num_compress.unwrap());
+    CheckAs("ValueError", num_write.unwrap() <= kMaxPlanLength, "argument 'write_plan': expected at most ",
+            kMaxPlanLength, " rows, got ", num_write.unwrap());
 
     PrefillArgs params{
         .state = data_ptr<StateT>(kv_score_buffer),

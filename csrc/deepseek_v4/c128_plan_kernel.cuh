@@ -14,12 +14,9 @@
 namespace flash_compress::c128 {
 
 using device::compress::kC128ChunkSize;
+using device::compress::kMaxPlanLength;
 using device::compress::kPlanSentinel;
 using device::compress::PrefillPlan;
-
-/// Longest seq_len and largest sum(extend_lens): ragged ids and positions are
-/// uint32 and the all-ones value marks padding.
-inline constexpr int64_t kMaxPlanLength = int64_t{kPlanSentinel} - 1;
 
 // ---------------------------------------------------------------------------
 // Row formulas, shared by both planners. Request b's new tokens are positions

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .plan_rows import check_rows, is_plan_tensor
+from .plan_rows import PlanError, check_rows, is_plan_tensor
 
 __all__ = ["check_decode", "check_planner_flag", "check_prefill", "enabled"]
 
@@ -106,7 +106,6 @@ def check_planner_flag(counts: Optional[torch.Tensor]) -> None:
     flag = int(counts[2])
     if flag != 0:
         raise ValueError(
-            f"argument 'plan': expected a valid GPU-made plan (error flag 0), got error flag {flag}: the lengths "
-            "broke 0 < extend_lens[b] <= seq_lens[b], the length limit or sum(extend_lens) == num_tokens "
-            "(the flag's bits say which), so every row is padding"
+            f"argument 'plan': expected a valid GPU-made plan (error flag 0), got error flag {flag} "
+            f"({PlanError(flag).describe()}), so every row is padding"
         )

@@ -3,15 +3,18 @@
 A plan is a ``[M, 16]`` uint8 tensor of rows ``{ragged_id, batch_id, position,
 window_len}``, each a little-endian uint32. This module is the Python home of
 that format: the reference planner, the reference prefill, the torch API's
-debug checks and the tests take the chunk size, the row size, the padding value
-and the row rules from here. The C++ twin is
-``include/sgl_kernel/deepseek_v4/compress.cuh``.
+debug checks and the tests take the chunk size, the row size, the padding value,
+the length limit, the GPU planner's error bits and the row rules from here. The
+C++ twin is ``include/sgl_kernel/deepseek_v4/compress.cuh`` (the error bits:
+``csrc/deepseek_v4/c128_plan_kernel.cuh``); ``tests/test_headers_nvcc.py``
+checks that the two agree.
 
 Only torch is needed (no numpy), so the torch API can import it cheaply.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Final, Sequence, Union
 
 import torch
@@ -22,6 +25,7 @@ __all__ = [
     "MAX_LENGTH",
     "PADDING_BYTE",
     "PADDING_ROW",
+    "PlanError",
     "ROW_BYTES",
     "check_plan_tensor",
     "check_rows",
@@ -42,9 +46,28 @@ ROW_BYTES: Final = 4 * len(FIELDS)
 PADDING_ROW: Final = 0xFFFFFFFF
 #: Every byte of a padding row.
 PADDING_BYTE: Final = PADDING_ROW & 0xFF
-#: Largest seq_len and largest sum(extend_lens) a plan can describe: ragged ids and
-#: positions are uint32 and the all-ones value is padding.
+#: Largest seq_len, largest sum(extend_lens) and most rows a plan can describe: ragged
+#: ids and positions are uint32 and the all-ones value is padding.
 MAX_LENGTH: Final = PADDING_ROW - 1
+
+
+class PlanError(enum.IntFlag):
+    """The GPU planner's error flag (``counts[2]``, 0 for a valid plan): one bit per broken rule."""
+
+    EXTEND_NOT_POSITIVE = 1  # some extend_len < 1
+    EXTEND_EXCEEDS_SEQ = 2  # some extend_len > seq_len
+    SEQ_TOO_LONG = 4  # some seq_len > MAX_LENGTH
+    SUM_MISMATCH = 8  # sum(extend_lens) != the plans' rows (num_tokens)
+
+    def describe(self) -> str:
+        """The broken rules, in words."""
+        rules = {
+            PlanError.EXTEND_NOT_POSITIVE: "some extend_lens[b] < 1",
+            PlanError.EXTEND_EXCEEDS_SEQ: "some extend_lens[b] > seq_lens[b]",
+            PlanError.SEQ_TOO_LONG: f"some seq_lens[b] > {MAX_LENGTH}",
+            PlanError.SUM_MISMATCH: "sum(extend_lens) != num_tokens",
+        }
+        return "; ".join(words for bit, words in rules.items() if bit in self)
 
 _BYTE_SHIFTS = (0, 8, 16, 24)
 

@@ -29,6 +29,10 @@ static_assert(sizeof(PrefillPlan) == kPrefillPlanBytes && alignof(PrefillPlan) =
 /// \brief Field value of padding rows (CUDA-graph plans): all bits set.
 inline constexpr uint32_t kPlanSentinel = 0xFFFFFFFFu;
 
+/// \brief Longest seq_len, largest sum(extend_lens) and most rows a plan can
+/// describe: ragged ids and positions are uint32 and the all-ones value marks padding.
+inline constexpr int64_t kMaxPlanLength = int64_t{kPlanSentinel} - 1;
+
 /// \brief Token positions per chunk of the c128 compressor: a chunk closes at
 /// `position % kC128ChunkSize == kC128ChunkSize - 1`, and a segment holds at
 /// most this many tokens.
