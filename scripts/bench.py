@@ -206,7 +206,7 @@ PREFILL_CASES = [("1x32768 from 0", 1, 32768, False, 0), ("8x16384 from 0", 8, 1
                  # The floor of a call of two passes: a row each.
                  ("1x128 from 0 + 1x1", 1, 128, False, 1)]
 DECODE_BATCHES = [1, 64, 512, 4096, 32768]
-STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+STATE_DTYPES = {name: getattr(torch, name) for name in flash_compress.c128_online.STATE_DTYPES}
 
 
 def implementations(args) -> list[tuple[str, object, torch.dtype]]:

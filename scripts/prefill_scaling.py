@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "scripts")]
 import bench  # noqa: E402
 import flash_compress  # noqa: E402
+from flash_compress.c128_online import HEAD_DIMS_TESTED  # noqa: E402
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -36,7 +37,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--head-dim", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--head-dim", type=int, nargs="+", default=list(HEAD_DIMS_TESTED))
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768, 65536, 131072])
     args = parser.parse_args()
     if not torch.cuda.is_available():

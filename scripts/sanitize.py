@@ -165,7 +165,7 @@ def _prebuild(pdl_values: list[int]) -> None:
     import flash_compress
 
     for pdl in pdl_values:
-        for state_dtype in ("float32", "bfloat16"):
+        for state_dtype in flash_compress.c128_online.STATE_DTYPES:
             flash_compress.load_module(head_dim=HEAD_DIM, use_pdl=bool(pdl), state_dtype=state_dtype)
 
 

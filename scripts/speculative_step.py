@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=512)
     parser.add_argument("--window", type=int, default=4, help="T: tokens per request and round, 1..16")
     parser.add_argument("--rounds", type=int, default=16)
-    parser.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--state-dtype", choices=list(fc.c128_online.STATE_DTYPES), default="float32")
     parser.add_argument("--cuda-graph", action="store_true", help="capture one round, replay it (CUDA only)")
     args = parser.parse_args(argv)
     device, d, t = torch.device(args.device), args.head_dim, args.window

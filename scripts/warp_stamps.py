@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "python"), str(ROOT / "scripts")]
 import bench  # noqa: E402
 import bench_variants  # noqa: E402
+from flash_compress.c128_online import HEAD_DIMS_TESTED  # noqa: E402
 
 #: Warps with stamps (more than any one-wave pass of an H200 has); then the latest end and the
 #: previous call's latest end.
@@ -172,7 +173,7 @@ def stamped_call(module, data, exact, head_dim: int, replays: int) -> tuple[floa
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--head-dim", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--head-dim", type=int, nargs="+", default=list(HEAD_DIMS_TESTED))
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--replays", type=int, default=5)
     parser.add_argument("--variant", type=bench_variants.parse_variant, metavar="NAME=PATH",

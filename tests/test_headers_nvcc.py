@@ -147,6 +147,7 @@ def test_kernels_fit_the_registers_their_launch_shapes_assume(head_dim, tmp_path
 
 def shared_facts_program() -> str:
     """A unit that compiles only where the C++ homes of the facts Python also needs hold Python's values."""
+    from flash_compress.c128_online import is_supported_head_dim
     from flash_compress.plan_rows import CHUNK_SIZE, MAX_LENGTH, PADDING_ROW, ROW_BYTES, PlanError
     from flash_compress.reference import MAX_VERIFY_TOKENS
 
@@ -158,6 +159,7 @@ def shared_facts_program() -> str:
         ("flash_compress::c128::kMaxVerifyTokens", MAX_VERIFY_TOKENS),
         *((f"flash_compress::c128::kPlanError{''.join(w.title() for w in bit.name.split('_'))}", int(bit))
           for bit in PlanError),
+        *((f"flash_compress::c128::kSupportedHeadDim<{d}>", int(is_supported_head_dim(d))) for d in range(0, 1281, 32)),
     ]
     asserts = "".join(f'static_assert({name} == {value}LL, "{name} != {value}");\n' for name, value in checks)
     return "#include <deepseek_v4/c128_online.cuh>\n" + asserts
@@ -167,9 +169,10 @@ def shared_facts_program() -> str:
 @pytest.mark.nvcc
 def test_python_and_cpp_agree_on_the_shared_facts(tmp_path):
     """One home per fact in each language (plan_rows.py, compress.cuh): the chunk size, the plan row's
-    size, padding value and length limit, the GPU planner's error bits and the most verify tokens."""
+    size, padding value and length limit, the GPU planner's error bits, the most verify tokens and
+    the head dims a variant builds for."""
     program = shared_facts_program()
-    assert program.count("static_assert") == 9
+    assert program.count("static_assert") == 9 + 41
     result = compile_alone(program, "90", tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from flash_compress import jit
-from flash_compress.c128_online import planner_spec, spec
+from flash_compress.c128_online import STATE_DTYPES, planner_spec, spec
 from flash_compress.jit import JitSpec
 from flash_compress.jit.toolchain import find_nvcc
 
@@ -33,7 +33,7 @@ def test_every_export_uses_the_public_macro():
         text = variant.translation_unit()
         assert text.count("TVM_FFI_DLL_EXPORT_TYPED_FUNC(") == len(variant.exports)
         assert not PRIVATE_TVM_FFI.search(text)
-    for state_dtype in ("float32", "bfloat16"):
+    for state_dtype in STATE_DTYPES:
         assert set(spec(128, False, state_dtype).exports) == {
             "run_decode", "run_prefill", "run_prefill_compact", "run_verify", "run_commit", "plan_online_prefill",
             "plan_online_prefill_counted"}

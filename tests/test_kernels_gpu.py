@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from flash_compress import reference as ref
+from flash_compress.c128_online import HEAD_DIMS_TESTED
 from flash_compress.plan_rows import CHUNK_SIZE
 from schedule import SLICE_WIDTHS, ScheduleHarness, plan_with, prefill_pass, rows_for_slice_width, run_schedule
 
 pytestmark = pytest.mark.gpu
 
-HEAD_DIMS = (128, 256, 512)
+HEAD_DIMS = HEAD_DIMS_TESTED
 PDL = (False, True)
 
 _modules: dict[tuple[int, bool], object] = {}

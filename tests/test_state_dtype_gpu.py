@@ -15,13 +15,14 @@ import torch
 
 import flash_compress as fc
 from flash_compress import reference as ref
+from flash_compress.c128_online import HEAD_DIMS_TESTED
 from flash_compress.plan_rows import CHUNK_SIZE
 from schedule import ScheduleHarness, run_schedule
 
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-HEAD_DIMS = (128, 256, 512)
+HEAD_DIMS = HEAD_DIMS_TESTED
 PDL = (False, True)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -30,14 +30,15 @@ import flash_compress as fc
 import oracle
 from device_runner import DeviceRunner
 from flash_compress import reference as ref
-from flash_compress._dispatch import STATE_DTYPES, kernels  # kernels(head_dim, use_pdl, state_dtype), loaded once
+from flash_compress.c128_online import HEAD_DIMS_TESTED
+from flash_compress._dispatch import TORCH_STATE_DTYPES, kernels  # kernels(head_dim, use_pdl, state_dtype), loaded once
 from flash_compress.plan_rows import CHUNK_SIZE
 from schedule import ScheduleHarness, bf16_state_flips, bits, plan_with, run_schedule
 
 pytestmark = pytest.mark.gpu
 
-DEV, HEAD_DIMS, PDL = "cuda", (128, 256, 512), (False, True)
-DTYPES = {name: dtype for dtype, name in STATE_DTYPES.items()}  # "float32" / "bfloat16" -> the pool's dtype
+DEV, HEAD_DIMS, PDL = "cuda", HEAD_DIMS_TESTED, (False, True)
+DTYPES = {name: dtype for dtype, name in TORCH_STATE_DTYPES.items()}  # "float32" / "bfloat16" -> the pool's dtype
 
 
 def assert_states_match(got: torch.Tensor, want: torch.Tensor, what: str) -> int:

@@ -7,6 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from .c128_online import HEAD_DIMS_TESTED, STATE_DTYPES, check_arch_list, planner_spec, spec
+
 __all__ = ["main"]
 
 
@@ -24,10 +26,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
 
     prebuild = commands.add_parser("prebuild", help="compile the planner and a grid of kernel variants into the cache (no GPU needed)")
-    prebuild.add_argument("--head-dim", type=int, nargs="+", default=[128, 256, 512], help="default: 128 256 512")
+    prebuild.add_argument("--head-dim", type=int, nargs="+", default=list(HEAD_DIMS_TESTED),
+                          help=f"default: {' '.join(map(str, HEAD_DIMS_TESTED))}")
     prebuild.add_argument("--pdl", type=int, nargs="+", choices=[0, 1], default=[0, 1], help="default: 0 1")
-    prebuild.add_argument("--state-dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
-                          help="default: float32 bfloat16")
+    prebuild.add_argument("--state-dtype", nargs="+", choices=list(STATE_DTYPES), default=list(STATE_DTYPES),
+                          help=f"default: {' '.join(STATE_DTYPES)}")
     prebuild.add_argument("--arch", nargs="+", default=None, help='CUDA archs, e.g. 9.0 10.0 (default: as the loader)')
     prebuild.add_argument("--jobs", type=int, default=None, help="parallel builds (default: CPU count)")
     prebuild.add_argument("--cache-dir", default=None,
@@ -35,13 +38,13 @@ def _parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="list what the cache holds")
     status.add_argument("--cache-dir", default=None)
-    status.add_argument("--state-dtype", choices=["float32", "bfloat16"], default=None,
+    status.add_argument("--state-dtype", choices=list(STATE_DTYPES), default=None,
                         help="only kernel variants of this state dtype")
 
     clear = commands.add_parser("clear", help="delete cached builds")
     clear.add_argument("--cache-dir", default=None)
     clear.add_argument("--name", default=None, help="only entries whose variant name starts with this")
-    clear.add_argument("--state-dtype", choices=["float32", "bfloat16"], default=None,
+    clear.add_argument("--state-dtype", choices=list(STATE_DTYPES), default=None,
                        help="only kernel variants of this state dtype")
     return parser
 
@@ -50,8 +53,6 @@ def _state_dtype_filter(state_dtype: str | None):
     """Kernel variant names end in their state dtype's tag (``c128_online_hd512_pdl1_bf16``)."""
     if state_dtype is None:
         return None
-    from .c128_online import STATE_DTYPES
-
     suffix = "_" + STATE_DTYPES[state_dtype][1]
     return lambda name: name.endswith(suffix)
 
@@ -69,15 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .jit import cli
 
     if args.command == "prebuild":
-        from .c128_online import check_arch_list, planner_spec, spec
         from .jit.toolchain import normalize_arch_list
 
-        if args.head_dim:  # the kernels need sm_80; the planner alone builds for any arch
-            try:
-                check_arch_list(normalize_arch_list(args.arch) if args.arch else jit.cuda_arch_list())
-            except ValueError as exc:
-                print(f"prebuild: {exc}", file=sys.stderr)
-                return 2
+        try:  # every arch the kernels build for, before any build
+            check_arch_list(normalize_arch_list(args.arch) if args.arch else jit.cuda_arch_list())
+        except ValueError as exc:
+            print(f"prebuild: {exc}", file=sys.stderr)
+            return 2
         grid = [(f"planner pdl={pdl}", planner_spec(bool(pdl))) for pdl in args.pdl]
         grid += [
             (f"head_dim={head_dim} pdl={pdl} state={state}", spec(head_dim, bool(pdl), state))

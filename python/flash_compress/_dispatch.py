@@ -14,19 +14,19 @@ from typing import Any, Optional
 import torch
 
 from . import _debug
-from .c128_online import load_module, load_planner
+from .c128_online import STATE_DTYPES, is_supported_head_dim, load_module, load_planner
 from .jit import JitDisabledError
 from .plan_rows import CHUNK_SIZE
 
-__all__ = ["commit_into", "decode_into", "planner", "kernels", "new_output", "prefill_into", "relocate_states",
-           "verify_into"]
+__all__ = ["TORCH_STATE_DTYPES", "commit_into", "decode_into", "planner", "kernels", "new_output", "prefill_into",
+           "relocate_states", "verify_into"]
 
 logger = logging.getLogger("flash_compress")
 
 #: Loaded variants by ``(head_dim, use_pdl, state_dtype)`` as the caller passed them (``None`` kept as is).
 _modules: dict[tuple[int, Optional[bool], str], Any] = {}
 #: A state pool's torch dtype -> its variants' ``state_dtype`` (docs/SPEC.md section 8).
-STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+TORCH_STATE_DTYPES: dict[torch.dtype, str] = {getattr(torch, name): name for name in STATE_DTYPES}
 #: The loaded planner variant (``use_pdl=None``), once loaded.
 _planner: Any = None
 
@@ -40,7 +40,7 @@ def kernels(head_dim: int, use_pdl: Optional[bool], state_dtype: str = "float32"
 
 
 def _load(head_dim: int, use_pdl: Optional[bool], state_dtype: str) -> Any:
-    if not (64 <= head_dim <= 1024 and head_dim % 64 == 0):
+    if not is_supported_head_dim(head_dim):
         raise ValueError(
             f"argument 'ape': expected shape [{CHUNK_SIZE}, D] with D a multiple of 64 in [64, 1024], got D = {head_dim}"
         )
@@ -108,7 +108,7 @@ def _variant(kv_score_buffer: torch.Tensor, head_dim: int, use_pdl: Optional[boo
     """The compiled variant for ``head_dim`` and the pool's dtype; the reference module for a CPU pool."""
     try:
         on_cuda = kv_score_buffer.is_cuda
-        state_dtype = STATE_DTYPES.get(kv_score_buffer.dtype)
+        state_dtype = TORCH_STATE_DTYPES.get(kv_score_buffer.dtype)
     except AttributeError:
         raise _not_tensor(kv_score_buffer=kv_score_buffer) from None
     if state_dtype is None:
@@ -189,7 +189,7 @@ def commit_into(
     except (AttributeError, IndexError):
         raise _not_tensor(kv_score_buffer=kv_score_buffer) from None
     head_dim = width // 3
-    if width % 3 or not (64 <= head_dim <= 1024 and head_dim % 64 == 0):
+    if width % 3 or not is_supported_head_dim(head_dim):
         raise ValueError(f"argument 'kv_score_buffer': expected shape [slots, 1, 3*D] with D a multiple of 64 in "
                          f"[64, 1024], got {list(kv_score_buffer.shape)}")
     module = _variant(kv_score_buffer, head_dim, use_pdl)

@@ -13,14 +13,22 @@ from typing import Any
 from . import jit
 from ._paths import source_roots
 
-__all__ = ["HEAD_DIMS_TESTED", "MIN_ARCH", "STATE_DTYPES", "check_arch_list", "load_module", "load_planner",
-           "planner_spec", "resolve_use_pdl", "spec"]
+__all__ = ["HEAD_DIMS_TESTED", "MIN_ARCH", "STATE_DTYPES", "check_arch_list", "is_supported_head_dim",
+           "load_module", "load_planner", "planner_spec", "resolve_use_pdl", "spec"]
 
-#: head_dim values the test suite runs; any multiple of 64 in [64, 1024] builds.
+#: head_dim values the GPU tests run and ``prebuild`` builds by default (any
+#: :func:`is_supported_head_dim` value builds).
 HEAD_DIMS_TESTED = (128, 256, 512)
 
 #: State dtypes (docs/SPEC.md section 8) -> the C++ element type and the variant-name tag.
+#: The names are torch's and numpy's dtype names; the other modules derive their maps from this one.
 STATE_DTYPES = {"float32": ("float", "f32"), "bfloat16": ("device::bf16_t", "bf16")}
+
+
+def is_supported_head_dim(head_dim: int) -> bool:
+    """Whether the kernels build for ``head_dim``: a multiple of 64 in [64, 1024] (C++:
+    ``kSupportedHeadDim`` in ``c128_state.cuh``)."""
+    return 64 <= head_dim <= 1024 and head_dim % 64 == 0
 
 _CUDA_FLAGS = ("-std=c++20", "-O3", "--expt-relaxed-constexpr", "-lineinfo")
 
@@ -31,7 +39,7 @@ _KERNEL_EXPORTS = ("run_decode", "run_prefill", "run_prefill_compact", "run_veri
 def _check_head_dim(head_dim: int) -> None:
     if isinstance(head_dim, bool) or not isinstance(head_dim, int):
         raise TypeError(f"head_dim: expected an int, got {type(head_dim).__name__}")
-    if not (64 <= head_dim <= 1024 and head_dim % 64 == 0):
+    if not is_supported_head_dim(head_dim):
         raise ValueError(f"head_dim: expected a multiple of 64 in [64, 1024], got {head_dim}")
 
 

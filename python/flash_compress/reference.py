@@ -60,6 +60,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import c128_online
 from .host_planner import plan_online_prefill, plan_segments
 from .plan_rows import CHUNK_SIZE, PADDING_ROW, check_plan_tensor, decode_rows, live_rows, row_problems
 
@@ -77,7 +78,7 @@ __all__ = [
 ]
 
 #: The dtypes a state pool (``kv_score_buffer``) may have (SPEC section 8).
-STATE_DTYPES = (torch.float32, torch.bfloat16)
+STATE_DTYPES = tuple(getattr(torch, name) for name in c128_online.STATE_DTYPES)
 #: Most tokens per request one verify step takes (SPEC section 9).
 MAX_VERIFY_TOKENS = 16
 
