@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import flash_compress  # noqa: E402
-from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES  # noqa: E402
+from flash_compress.host_planner import plan_tensors  # noqa: E402
+from flash_compress.plan_rows import CHUNK_SIZE  # noqa: E402
 
 
 @dataclass
@@ -133,15 +134,9 @@ class Traffic:
 
 
 def plan(module, extend_lens, seq_lens, use_cuda_graph):
-    rows = int(sum(extend_lens))
-    compress_plan = torch.empty(rows, ROW_BYTES, dtype=torch.uint8)
-    write_plan = torch.empty(rows, ROW_BYTES, dtype=torch.uint8)
-    counts = module.plan_online_prefill(
-        torch.tensor(extend_lens, dtype=torch.int64), torch.tensor(seq_lens, dtype=torch.int64),
-        compress_plan, write_plan, use_cuda_graph,
-    )
-    num_compress, num_write = (int(x) for x in counts)
-    return compress_plan[:num_compress].cuda(), write_plan[:num_write].cuda()
+    """Both plans of a prefill, made by ``module``'s host planner, on the GPU."""
+    compress_plan, write_plan = plan_tensors(module, extend_lens, seq_lens, use_cuda_graph)
+    return compress_plan.cuda(), write_plan.cuda()
 
 
 def prefill_case(module, head_dim, batch, extend, random_prefix, gen, singles=0):

@@ -16,7 +16,6 @@
 #include <tvm/ffi/optional.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <limits>
 

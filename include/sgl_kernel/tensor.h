@@ -230,8 +230,9 @@ class TensorMatcher {
     return *this;
   }
 
-  /// \brief The one-argument form of docs/SPEC.md section 6; its messages can
-  /// only say "tensor", so exports should name the argument.
+  /// \brief The one-argument form the reference design calls (scripts/reference_design.py
+  /// builds it against these headers); its messages can only say "tensor", so exports
+  /// name the argument with the two-argument form.
   const TensorMatcher& verify(const tvm::ffi::TensorView& tensor) const { return verify(tensor, "tensor"); }
   const TensorMatcher& verify(const tvm::ffi::TensorView& tensor, const char* name) const {
     if (tensor.ndim() != static_cast<int32_t>(dims_.size())) {

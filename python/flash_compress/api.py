@@ -28,8 +28,8 @@ from typing import Optional, Union
 import torch
 
 from . import _debug, _dispatch
-from . import ops as _ops  # registers torch.ops.flash_compress.{decode,prefill}
-from .host_planner import check_lengths
+from . import ops as _ops  # registers torch.ops.flash_compress.{decode,prefill,verify,commit}
+from .host_planner import check_lengths, plan_tensors
 from .plan_rows import ROW_BYTES
 
 __all__ = ["PrefillPlan", "commit", "decode", "plan_prefill", "prefill", "verify"]
@@ -80,7 +80,8 @@ def plan_prefill(
     Lengths on the CPU (or anywhere, when ``device`` is the CPU) are planned on
     the host, in pinned memory when ``device`` is a CUDA device, and the plans
     are copied with ``non_blocking=True`` (by the compiled planner; for a CPU
-    ``device`` by a variant already loaded, else by the reference planner); lengths on a CUDA device (and a CUDA
+    ``device`` by the compiled planner once something loaded it, else by the reference planner, which
+    writes the same bytes); lengths on a CUDA device (and a CUDA
     ``device``) are planned there by the GPU planner, with no host round trip, and
     the plan is always in CUDA-graph form with its counts on the device.
 
@@ -108,17 +109,14 @@ def _plan_on_host(
     num_tokens: Optional[int],
 ) -> PrefillPlan:
     # The compiled planner reads int64 host tensors.
-    extend = extend_lens.to("cpu", torch.int64).contiguous()
-    seq = seq_lens.to("cpu", torch.int64).contiguous()
+    extend = extend_lens.to("cpu", torch.int64)
     total = int(extend.sum())
     if num_tokens is not None and num_tokens != total:
         raise ValueError(f"argument 'num_tokens': expected sum(extend_lens) = {total}, got {num_tokens}")
     pinned = device.type == "cuda"
-    compress = torch.empty((total, ROW_BYTES), dtype=torch.uint8, pin_memory=pinned)
-    write = torch.empty((total, ROW_BYTES), dtype=torch.uint8, pin_memory=pinned)
-    result = _dispatch.planner(load=pinned).plan_online_prefill(extend, seq, compress, write, use_cuda_graph)
-    num_compress, num_write = (int(n) for n in result)
-    compress, write = compress[:num_compress], write[:num_write]
+    compress, write = plan_tensors(_dispatch.planner(load=pinned), extend, seq_lens.to("cpu", torch.int64),
+                                   use_cuda_graph, pin_memory=pinned)
+    num_compress, num_write = compress.shape[0], write.shape[0]
     if device.type != "cpu":
         compress = compress.to(device, non_blocking=True)
         write = write.to(device, non_blocking=True)

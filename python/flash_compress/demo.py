@@ -10,11 +10,12 @@ runs the reference on the CPU, and says what it skipped.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .plan_rows import CHUNK_SIZE, ROW_BYTES, decode_rows
+from .plan_rows import CHUNK_SIZE, decode_rows
 
 __all__ = ["run_demo"]
 
@@ -30,9 +31,10 @@ def _load_kernels(head_dim: int):
     """Builds the variant on a cache miss (the loader reports the compile), then loads it;
     returns ``(module, seconds, "built" or "cache hit")``."""
     from . import jit
-    from .c128_online import resolve_use_pdl, spec
+    from .c128_online import check_arch_list, resolve_use_pdl, spec
 
     arch = jit.cuda_arch_list()
+    check_arch_list(arch)
     variant = spec(head_dim, resolve_use_pdl(None, arch))
     started = time.perf_counter()
     outcome = jit.ensure_built(variant, arch_list=arch)
@@ -73,19 +75,10 @@ def _make_schedule(torch, batch: int, prefill_len: int, decode_steps: int, seed:
     return schedule
 
 
-def _plan(impl, torch, step: _Step):
-    rows = sum(step.extend_lens)
-    compress_plan = torch.empty(rows, ROW_BYTES, dtype=torch.uint8)
-    write_plan = torch.empty(rows, ROW_BYTES, dtype=torch.uint8)
-    counts = impl.plan_online_prefill(
-        torch.tensor(step.extend_lens, dtype=torch.int64),
-        torch.tensor(step.seq_lens, dtype=torch.int64),
-        compress_plan,
-        write_plan,
-        False,
-    )
-    num_compress, num_write = (int(x) for x in counts)
-    return compress_plan[:num_compress], write_plan[:num_write]
+def _plan(impl, step: _Step):
+    from .host_planner import plan_tensors
+
+    return plan_tensors(impl, step.extend_lens, step.seq_lens)
 
 
 def _emitted_rows(step: _Step, compress_plan) -> list[int]:
@@ -108,7 +101,7 @@ def _run(impl, torch, schedule: _Schedule, device) -> tuple[list[Any], Any]:
             impl.run_decode(state, tokens, out, ape, indices, seq_lens, None)
             rows = _emitted_rows(step, None)
         else:
-            compress_plan, write_plan = _plan(impl, torch, step)
+            compress_plan, write_plan = _plan(impl, step)
             impl.run_prefill(state, tokens, out, ape, indices, compress_plan.to(device), write_plan.to(device), None)
             rows = _emitted_rows(step, compress_plan)
         emitted.append(out[rows])
@@ -128,7 +121,7 @@ def _time_prefill(module, torch, schedule: _Schedule, device, iters: int = 20) -
     indices = torch.arange(state.shape[0], dtype=torch.int32, device=device)
     tokens = step.tokens.to(device)
     out = torch.empty(tokens.shape[0], HEAD_DIM, device=device)
-    plans = [p.to(device) for p in _plan(module, torch, step)]
+    plans = [p.to(device) for p in _plan(module, step)]
 
     def call():
         module.run_prefill(state, tokens, out, ape, indices, *plans, None)
@@ -143,7 +136,7 @@ def _time_prefill(module, torch, schedule: _Schedule, device, iters: int = 20) -
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
 
 
 def run_demo(*, batch: int = 8, prefill_len: int = 4096, decode_steps: int = 300, seed: int = 0) -> int:
@@ -177,7 +170,7 @@ def run_demo(*, batch: int = 8, prefill_len: int = 4096, decode_steps: int = 300
     schedule = _make_schedule(torch, batch, prefill_len, decode_steps, seed)
     if module is not None:
         for step in schedule.steps[:2]:
-            same = all(torch.equal(a, b) for a, b in zip(_plan(reference, torch, step), _plan(module, torch, step)))
+            same = all(torch.equal(a, b) for a, b in zip(_plan(reference, step), _plan(module, step)))
             if not same:
                 _say("  planner: compiled plan differs from the reference plan -> FAIL")
                 return 1

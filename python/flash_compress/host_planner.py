@@ -10,17 +10,23 @@ compiled planners against it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, Union
+
 import numpy as np
 import torch
 
 from .plan_rows import CHUNK_SIZE, MAX_LENGTH, PADDING_BYTE, ROW_BYTES, check_plan_tensor, encode_rows
 
-__all__ = ["check_lengths", "plan_online_prefill", "plan_segments"]
+__all__ = ["check_lengths", "plan_online_prefill", "plan_segments", "plan_tensors"]
 
 _LENGTH_DTYPES = (torch.int64, torch.int32)
 
 
-def plan_segments(extend_lens, seq_lens) -> tuple[np.ndarray, np.ndarray]:
+Lengths = Union[torch.Tensor, Sequence[int]]
+
+
+def plan_segments(extend_lens: Lengths, seq_lens: Lengths) -> tuple[np.ndarray, np.ndarray]:
     """Cuts a prefill into segments: returns ``(compress_rows, write_rows)`` as ``[n, 4]`` int64 arrays.
 
     ``extend_lens`` and ``seq_lens`` are sequences of ints (already validated).
@@ -146,3 +152,19 @@ def plan_online_prefill(
     compress_plan[num_compress:].fill_(PADDING_BYTE)
     write_plan[num_write:].fill_(PADDING_BYTE)
     return num_rows, num_rows
+
+
+def plan_tensors(planner: Any, extend_lens: Lengths, seq_lens: Lengths, use_cuda_graph: bool = False, *,
+                 pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plans a prefill on the host with ``planner`` (anything with ``plan_online_prefill``: a compiled
+    module or the reference) and returns ``(compress_plan, write_plan)``, CPU uint8 tensors sliced to
+    the counts it returns (``sum(extend_lens)`` rows each with ``use_cuda_graph``); ``pin_memory``
+    allocates them pinned, for a ``non_blocking`` copy to a GPU."""
+    extend = torch.as_tensor(extend_lens, dtype=torch.int64, device="cpu").contiguous()
+    seq = torch.as_tensor(seq_lens, dtype=torch.int64, device="cpu").contiguous()
+    rows = int(extend.sum())
+    compress_plan = torch.empty((rows, ROW_BYTES), dtype=torch.uint8, pin_memory=pin_memory)
+    write_plan = torch.empty((rows, ROW_BYTES), dtype=torch.uint8, pin_memory=pin_memory)
+    num_compress, num_write = (int(n) for n in planner.plan_online_prefill(extend, seq, compress_plan, write_plan,
+                                                                         bool(use_cuda_graph)))
+    return compress_plan[:num_compress], write_plan[:num_write]

@@ -119,7 +119,8 @@ def _segment_state(kv: torch.Tensor, s: torch.Tensor):
     return m, total, (w * kv).sum(dim=0) / total
 
 
-def state_to_store(m, total, kv, dtype: torch.dtype, *, exact_bf16_stores: bool = True) -> torch.Tensor:
+def state_to_store(m: torch.Tensor, total: torch.Tensor, kv: torch.Tensor, dtype: torch.dtype, *,
+                   exact_bf16_stores: bool = True) -> torch.Tensor:
     """The ``[..., 3D]`` state ``[max | sum | kv]`` as it is stored in a pool of ``dtype``.
 
     ``m``, ``total`` and ``kv`` are float64 ``[..., D]``. For a float32 pool
@@ -231,7 +232,7 @@ def run_decode(
     ape: torch.Tensor,
     indices: torch.Tensor,
     seq_lens: torch.Tensor,
-    extra=None,
+    extra: None = None,
     *,
     exact_bf16_stores: bool = True,
 ) -> None:

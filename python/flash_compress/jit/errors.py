@@ -19,7 +19,7 @@ class JitBuildError(JitError):
     """A variant failed to compile (or its fresh build would not load).
 
     Attributes:
-        variant: the cache folder name of the variant, e.g. ``c128_online_hd512_pdl1_sm90_<hash16>``.
+        variant: the cache folder name of the variant, ``<spec name>_<sm tag>_<hash16>``.
         command: the compiler command that failed, as one shell line.
         first_errors: the compiler's first error lines, with a little context (at most ~20 lines).
         log_path: the full build log, kept on disk; ``None`` only when it could not be written.
