@@ -186,6 +186,53 @@ def test_decode_with_load_indices_reads_the_old_slot_and_writes_the_new():
         assert torch.equal(got_buf[slot], buf[slot])
 
 
+def test_decode_moves_skip_bad_slots_as_a_prefill_does():
+    """A move with a load slot outside the pool skips the request when it needs a prior state (as a
+    one-token prefill with the same load_indices does); a swap is safe; nothing outside the pool is
+    touched and no error is raised (the values are the device's: debug mode raises for them)."""
+    buf, ape, gen = state_pool(slots=8)
+    inp = torch.randn(6, 2 * D, generator=gen)
+    # swap 1<->2 mid-chunk; bad load, needs a prior; bad load, fresh chunk; bad target; closing move
+    seq = [77, 300, 50, 129, 60, 256]
+    load = torch.tensor([1, 2, -1, 9, 5, 6], dtype=torch.int32)
+    idx = torch.tensor([2, 1, 3, 4, 8, 7], dtype=torch.int32)
+    got_buf, want_buf = buf.clone(), buf.clone()
+    got = fc.decode(got_buf, inp, ape, idx, torch.tensor(seq, dtype=torch.int32), load_indices=load,
+                    out=torch.full((6, D), float("nan")))
+    plan = fc.plan_prefill(torch.tensor(seq), torch.ones(6, dtype=torch.int64), device="cpu")
+    want = fc.prefill(want_buf, inp, ape, idx, plan, load_indices=load, out=torch.full((6, D), float("nan")))
+    assert torch.isnan(got[:5]).all() and torch.isnan(want[:5]).all()
+    torch.testing.assert_close(got[5], want[5], rtol=1e-6, atol=1e-6)
+    for slot in (1, 2, 4):  # the swap's two targets and the fresh chunk's
+        assert not torch.equal(got_buf[slot], buf[slot])
+        torch.testing.assert_close(got_buf[slot], want_buf[slot], rtol=1e-6, atol=1e-6)
+    for slot in (0, 3, 5, 6):  # skipped targets and untouched sources
+        assert torch.equal(got_buf[slot], buf[slot]) and torch.equal(want_buf[slot], buf[slot])
+    assert torch.equal(got_buf[7], buf[6])  # the closing request's state moved; decode leaves it there
+
+    # No request moves: slot 0 is copied onto itself, bit for bit.
+    got_buf = buf.clone()
+    fc.decode(got_buf, inp[:2], ape, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5, 6], dtype=torch.int32),
+              load_indices=torch.tensor([-5, 2**31 - 1], dtype=torch.int32), out=torch.full((2, D), float("nan")))
+    assert torch.equal(got_buf.view(torch.int32), buf.view(torch.int32))
+
+
+def test_decode_move_arguments_are_checked_before_the_pool_is_touched():
+    buf, ape, gen = state_pool(slots=4)
+    inp = torch.randn(2, 2 * D, generator=gen)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    before = buf.clone()
+    with pytest.raises(TypeError, match="'load_indices'.*int32"):
+        fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="'load_indices'.*shape"):
+        fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=i32(1))
+    with pytest.raises(TypeError, match="'seq_lens'.*int32"):
+        fc.decode(buf, inp, ape, i32(0, 1), torch.tensor([3, 3]), load_indices=i32(1, 2))
+    with pytest.raises(TypeError, match="'load_indices'.*torch.Tensor"):
+        fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=[1, 2])
+    assert torch.equal(buf, before)
+
+
 # ---------------------------------------------------------------------------
 # Debug mode.
 # ---------------------------------------------------------------------------

@@ -188,6 +188,67 @@ def test_cuda_graph_replay_with_new_inputs_and_plans_equals_eager(gpu, through_o
         assert torch.equal(static_dec_out.nan_to_num(7.0), eager_dec_out.nan_to_num(7.0)), f"step {k}: decode rows"
 
 
+@pytest.mark.parametrize("through_ops", [False, True], ids=["api", "ops"])
+def test_decode_moves_capture_in_a_cuda_graph_and_skip_as_on_the_cpu(gpu, through_ops):
+    """A decode with load_indices makes no host sync (it captures), and its replays, slots outside the
+    pool included, compute what the CPU path (the reference) computes."""
+    d, slots = 128, 8
+    gen = torch.Generator().manual_seed(12)
+    ape = torch.randn(CHUNK_SIZE, d, generator=gen)
+    ape_dev = ape.to(DEV)
+    static_state = torch.randn(slots, 1, 3 * d, generator=gen).to(DEV)
+    static_inp = torch.empty(4, 2 * d, device=DEV)
+    static_out = torch.empty(4, d, device=DEV)
+    static = {name: torch.empty(4, dtype=torch.int32, device=DEV) for name in ("indices", "load", "seq")}
+    # (indices, load_indices, seq_lens): a swap, a fresh chunk from a bad slot, a closing move; a load slot
+    # outside the pool that needs a prior state, a target outside it; nothing moving.
+    steps = [([1, 2, 3, 4], [2, 1, 9, 6], [77, 300, 129, 256]),
+             ([5, 6, 0, 8], [0, -1, 3, 1], [50, 60, 70, 1]),
+             ([0, 1, 2, 3], [-7, 2**31 - 1, -1, 8], [5, 6, 7, 8])]
+
+    def run(state, out):
+        if through_ops:
+            torch.ops.flash_compress.decode(state, static_inp, out, ape_dev, static["indices"], static["seq"],
+                                            static["load"], None)
+        else:
+            fc.decode(state, static_inp, ape_dev, static["indices"], static["seq"], out=out,
+                      load_indices=static["load"])
+
+    def load_step(step):
+        for name, values in zip(("indices", "load", "seq"), step):
+            static[name].copy_(torch.tensor(values, dtype=torch.int32))
+        static_inp.copy_(torch.randn(4, 2 * d, generator=gen))
+        static_out.fill_(float("nan"))
+
+    load_step(steps[0])
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):  # loads the variant outside the capture
+        run(static_state.clone(), static_out.clone())
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(static_state, static_out)
+    for k, step in enumerate(steps):
+        load_step(step)
+        before = static_state.cpu()
+        want_state, want_out = before.clone(), static_out.cpu()
+        fc.decode(want_state, static_inp.cpu(), ape, *(static[name].cpu() for name in ("indices", "seq")),
+                  out=want_out, load_indices=static["load"].cpu())
+        graph.replay()
+        torch.cuda.synchronize()
+        got_state, got_out = static_state.cpu(), static_out.cpu()
+        assert torch.equal(got_out.isnan(), want_out.isnan()), f"step {k}: written rows differ from the CPU"
+        written = ~want_out.isnan().all(dim=1)
+        if written.any():
+            oracle.assert_rows_close(got_out[written], want_out[written], f"step {k}: rows")
+        for slot in range(slots):
+            if torch.equal(want_state[slot], before[slot]):
+                assert torch.equal(got_state[slot], before[slot]), f"step {k}: slot {slot} written"
+            else:
+                oracle.assert_rows_close(got_state[slot], want_state[slot], f"step {k}: slot {slot}")
+
+
 def test_debug_mode_refuses_bad_slots_before_launching(gpu, monkeypatch):
     monkeypatch.setenv("FLASH_COMPRESS_DEBUG", "1")
     d = 128

@@ -89,10 +89,49 @@ def new_output(kv_score_input: torch.Tensor, ape: torch.Tensor, rows: Optional[i
         raise _not_tensor(kv_score_input=kv_score_input, ape=ape) from None
 
 
-def relocate_states(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_indices: torch.Tensor) -> None:
-    """``buffer[indices] = buffer[load_indices]``: the decode kernel reads and writes one slot, so a move
-    copies the prior states first (gathered in full before any is written, so a permutation is safe)."""
-    kv_score_buffer[indices] = kv_score_buffer[load_indices]
+def _check_move_arguments(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_indices: torch.Tensor,
+                          seq_lens: torch.Tensor) -> None:
+    """What a decode move reads before the kernel's own checks run: ``[B]`` int32 tensors on the pool's device."""
+    for name, t in (("indices", indices), ("load_indices", load_indices), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"argument '{name}': expected dtype int32, got {str(t.dtype).removeprefix('torch.')}")
+        if t.dim() != 1 or t.shape != indices.shape:
+            raise ValueError(f"argument '{name}': expected shape [B] like indices ({list(indices.shape)}), "
+                             f"got {list(t.shape)}")
+        if t.device != kv_score_buffer.device:
+            raise ValueError(f"argument '{name}': expected device {kv_score_buffer.device} like kv_score_buffer, "
+                             f"got {t.device}")
+
+
+def relocate_states(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_indices: torch.Tensor,
+                    seq_lens: torch.Tensor) -> torch.Tensor:
+    """Moves decode's prior states from ``load_indices`` to ``indices`` and returns the slots to run it on.
+
+    The decode kernel reads and writes one slot, so a move copies the prior
+    states first, gathered in full before any is written (a permutation is
+    safe). Without a sync, as the kernels: a request whose token starts a
+    chunk needs no prior state and moves nothing; one whose ``load_indices``
+    slot is outside the pool, and that needs a prior state, is skipped (its
+    returned slot is -1, which the kernel skips, as a prefill skips such a
+    row); a target outside the pool is skipped by the kernel itself. Nothing
+    outside the pool is read or written.
+    """
+    num_slots = kv_score_buffer.shape[0]
+    fresh = (seq_lens.to(torch.int64) - 1) % CHUNK_SIZE == 0
+    load_ok = (load_indices >= 0) & (load_indices < num_slots)
+    move = load_ok & (indices >= 0) & (indices < num_slots) & ~fresh
+    if num_slots and indices.numel():
+        # Requests that move nothing copy what another move copies (the same bytes to the same slot, so the
+        # duplicate writes agree), or slot 0 onto itself when none moves: every index stays in the pool.
+        first = torch.argmax(move.to(torch.int32)).reshape(1)  # a tensor index: slicing with it would sync
+        any_move = move.any()
+        zero = torch.zeros_like(indices[:1])
+        target = torch.where(move, indices, torch.where(any_move, indices[first], zero))
+        source = torch.where(move, load_indices, torch.where(any_move, load_indices[first], zero))
+        kv_score_buffer.index_copy_(0, target.to(torch.int64), kv_score_buffer[source.to(torch.int64)])
+    return torch.where(load_ok | fresh, indices, torch.full_like(indices, -1))
 
 
 def _compiled(kv_score_buffer: torch.Tensor, ape: torch.Tensor, use_pdl: Optional[bool]) -> Any:
@@ -136,7 +175,8 @@ def decode_into(
     if _debug.enabled():
         _debug.check_decode(kv_score_buffer, indices, seq_lens, load_indices)
     if load_indices is not None:
-        relocate_states(kv_score_buffer, indices, load_indices)
+        _check_move_arguments(kv_score_buffer, indices, load_indices, seq_lens)
+        indices = relocate_states(kv_score_buffer, indices, load_indices, seq_lens)
     module.run_decode(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, None)
 
 

@@ -165,7 +165,9 @@ def decode(
         seq_lens: ``[B]`` int32, lengths INCLUDING the new token (>= 1).
         out: ``[B, D]`` float32 to write into; allocated (uninitialised) when None.
         load_indices: ``[B]`` int32 slots to read the prior states from (a request moving to
-            ``indices[b]``); costs one gather and one scatter of those states before the kernel.
+            ``indices[b]``); costs one gather and one scatter of those states before the kernel,
+            without a host sync. A request whose ``load_indices`` slot is outside the pool is
+            skipped when it needs its prior state (its token does not start a chunk).
         use_pdl: the variant's programmatic dependent launch (None: on for sm_90+).
 
     Returns:
