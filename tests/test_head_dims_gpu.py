@@ -1,0 +1,47 @@
+"""Every kind of supported head_dim on the GPU, beyond the 128, 256 and 512 the other GPU tests run.
+
+A variant builds for any multiple of 64 in [64, 1024] (``is_supported_head_dim``); what changes with
+the head dim is how threads map onto channels: decode and verify give a request ``head_dim / 4``
+lanes, which is under a warp at 64, not a power of two at 192 and 320 (so bf16 decode does not run
+at a full SM of threads there), and 256 (a whole block) at 1024; a prefill pass splits the channels
+into 1 to 16 slices of 64, 32, 16 or 8. One mixed schedule per (head_dim, state dtype), PDL on:
+prefills (exact, CUDA-graph and compact plans, slot moves), decode steps and speculative verify +
+commit steps, every row and state against the float64 oracle and, step by step, against the
+reference that emulates the pool's stores (``tests/schedule.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_compress as fc
+from flash_compress import reference as ref
+from flash_compress.c128_online import STATE_DTYPES, spec
+from schedule import run_schedule
+
+pytestmark = pytest.mark.gpu
+
+#: 16 lanes a request (under a warp), 48 and 80 (not powers of two), 256 (a whole block).
+HEAD_DIMS = (64, 192, 320, 1024)
+
+
+@pytest.fixture(scope="module")
+def variants(gpu):
+    """The variants, built at once in parallel (one alone takes about a minute) and loaded."""
+    from flash_compress.jit import cli
+
+    grid = [(f"head_dim={d} state={s}", spec(d, True, s)) for d in HEAD_DIMS for s in STATE_DTYPES]
+    assert cli.prebuild(grid) == 0, "a variant failed to build (its log is named above)"
+    return {(d, s): fc.load_module(d, True, s) for d in HEAD_DIMS for s in STATE_DTYPES}
+
+
+@pytest.mark.parametrize("state_dtype", list(STATE_DTYPES))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_mixed_schedule_with_verify_steps(variants, head_dim, state_dtype):
+    stats = run_schedule(variants[(head_dim, state_dtype)], head_dim=head_dim, device="cuda", steps=40,
+                         seed=900 + head_dim, num_slots=14, max_requests=6, state_dtype=getattr(torch, state_dtype),
+                         compact=None, shadow=ref, verify_prob=0.4, verify_bad_prob=0.2)
+    assert stats.rows_checked > 0 and stats.states_checked > 0 and stats.prefill_calls > 0
+    assert stats.decode_calls > 0 and stats.verify_calls > 0 and stats.commits > 0
+    assert stats.shadow_checks == stats.decode_calls + stats.prefill_calls + 2 * stats.verify_calls
