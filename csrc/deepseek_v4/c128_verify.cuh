@@ -34,8 +34,12 @@ struct VerifyParams {
 template <int64_t kHeadDim>
 struct VerifyLayout {
   static constexpr uint32_t kLanes = kHeadDim / kVecWidth;  // threads per request, 4 channels each
-  static constexpr uint32_t kThreads = kLanes > 128 ? kLanes : 128;
-  static constexpr uint32_t kRequestsPerBlock = kThreads / kLanes;
+  /// As many requests as fit 128 threads, at least one. The block is their
+  /// lanes exactly: where the lanes do not divide 128 (head dims that are not
+  /// powers of two), 128 threads would put the last few onto the next
+  /// block's request, computing its first channels twice.
+  static constexpr uint32_t kRequestsPerBlock = kLanes >= 128 ? 1 : 128 / kLanes;
+  static constexpr uint32_t kThreads = kRequestsPerBlock * kLanes;
   /// Tokens whose loads are in flight together.
   static constexpr uint32_t kAhead = 4;
 };
