@@ -279,6 +279,27 @@ def test_debug_decode_rejects_values_naming_the_argument(debug_mode):
         fc.decode(buf, inp, ape, i32(0, 1), i32(3, 0))
 
 
+def test_debug_verify_and_commit_reject_values_the_kernels_would_skip(debug_mode):
+    buf, ape, gen = state_pool(slots=4)
+    inp = torch.randn(6, 2 * D, generator=gen)  # B = 2, T = 3
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    before = buf.clone()
+    with pytest.raises(ValueError, match=r"'indices'.*\[0, 4\).*indices\[1\] = -1"):
+        fc.verify(buf, inp, ape, i32(0, -1), i32(9, 9))
+    with pytest.raises(ValueError, match=r"'seq_lens'.*>= T = 3.*seq_lens\[0\] = 2"):
+        fc.verify(buf, inp, ape, i32(0, 1), i32(2, 9))
+    _, prefix = fc.verify(buf, inp, ape, i32(0, 1), i32(3, 9))  # seq_len == T: the window starts at 0
+    with pytest.raises(ValueError, match=r"'accept_lens'.*\[0, T = 3\].*accept_lens\[1\] = 4"):
+        fc.commit(buf, prefix, i32(0, 1), i32(3, 4))
+    with pytest.raises(ValueError, match=r"'accept_lens'.*accept_lens\[0\] = -1"):
+        fc.commit(buf, prefix, i32(0, 1), i32(-1, 0))
+    with pytest.raises(ValueError, match=r"'indices'.*indices\[0\] = 4"):
+        fc.commit(buf, prefix, i32(4, 1), i32(1, 1))
+    assert torch.equal(buf, before)
+    fc.commit(buf, prefix, i32(0, 1), i32(0, 3))  # 0 keeps nothing: no error
+    assert torch.equal(buf[0], before[0]) and torch.equal(buf[1, 0], prefix[5])
+
+
 def _plan_of(rows_c, rows_w) -> fc.PrefillPlan:
     return fc.PrefillPlan(encode_rows(rows_c), encode_rows(rows_w), len(rows_c), len(rows_w), False)
 

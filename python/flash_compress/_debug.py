@@ -16,7 +16,7 @@ import torch
 
 from .plan_rows import PlanError, check_rows, is_plan_tensor
 
-__all__ = ["check_decode", "check_planner_flag", "check_prefill", "enabled"]
+__all__ = ["check_commit", "check_decode", "check_planner_flag", "check_prefill", "check_verify", "enabled"]
 
 _VAR = "FLASH_COMPRESS_DEBUG"
 _OFF = ("", "0", "false", "no", "off")
@@ -75,6 +75,50 @@ def check_decode(
         if bool((host < 1).any()):
             b = int((host < 1).nonzero()[0, 0])
             raise ValueError(f"argument 'seq_lens': expected every seq_len >= 1, got seq_lens[{b}] = {int(host[b])}")
+
+
+def _window(rows: object, indices: object) -> int:
+    """T = rows / B for a verify or commit call, or 0 where the kernels' own checks will refuse the call."""
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or not isinstance(rows, int):
+        return 0
+    batch = indices.shape[0]
+    return rows // batch if batch and rows % batch == 0 else 0
+
+
+def _first_bad(values: torch.Tensor, bad: torch.Tensor) -> tuple[int, int]:
+    b = int(bad.nonzero()[0, 0])
+    return b, int(values[b])
+
+
+def check_verify(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, indices: torch.Tensor,
+                 seq_lens: torch.Tensor) -> None:
+    """Slots in range and every ``seq_len >= T`` (the window's first token is at ``seq_len - T``): the kernel
+    skips a request that breaks either."""
+    _check_slot_arguments(kv_score_buffer, indices, None)
+    rows = kv_score_input.shape[0] if isinstance(kv_score_input, torch.Tensor) and kv_score_input.dim() else None
+    window = _window(rows, indices)
+    if window and isinstance(seq_lens, torch.Tensor) and seq_lens.numel():
+        host = seq_lens.detach().to("cpu", torch.int64)
+        if bool((host < window).any()):
+            b, value = _first_bad(host, host < window)
+            raise ValueError(f"argument 'seq_lens': expected every seq_len >= T = {window} (the tokens per request), "
+                             f"got seq_lens[{b}] = {value}")
+
+
+def check_commit(kv_score_buffer: torch.Tensor, prefix_states: torch.Tensor, indices: torch.Tensor,
+                 accept_lens: torch.Tensor) -> None:
+    """Slots in range and every accepted length in ``[0, T]`` (0 keeps nothing, as for a request verify
+    skipped); the kernel skips a request with a slot outside the pool or a length outside ``[1, T]``."""
+    _check_slot_arguments(kv_score_buffer, indices, None)
+    rows = prefix_states.shape[0] if isinstance(prefix_states, torch.Tensor) and prefix_states.dim() else None
+    window = _window(rows, indices)
+    if window and isinstance(accept_lens, torch.Tensor) and accept_lens.numel():
+        host = accept_lens.detach().to("cpu", torch.int64)
+        bad = (host < 0) | (host > window)
+        if bool(bad.any()):
+            b, value = _first_bad(host, bad)
+            raise ValueError(f"argument 'accept_lens': expected every accepted length in [0, T = {window}], "
+                             f"got accept_lens[{b}] = {value}")
 
 
 def _check_plan(plan: torch.Tensor, name: str, num_tokens: int, batch: int, compress: bool) -> None:

@@ -213,6 +213,8 @@ def verify_into(
 ) -> None:
     """A verify step into ``out`` and ``prefix_states``, by the compiled kernel (CUDA) or the reference (CPU)."""
     module = _compiled(kv_score_buffer, ape, use_pdl)
+    if _debug.enabled():
+        _debug.check_verify(kv_score_buffer, kv_score_input, indices, seq_lens)
     module.run_verify(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, prefix_states)
 
 
@@ -233,4 +235,6 @@ def commit_into(
         raise ValueError(f"argument 'kv_score_buffer': expected shape [slots, 1, 3*D] with D a multiple of 64 in "
                          f"[64, 1024], got {list(kv_score_buffer.shape)}")
     module = _variant(kv_score_buffer, head_dim, use_pdl)
+    if _debug.enabled():
+        _debug.check_commit(kv_score_buffer, prefix_states, indices, accept_lens)
     module.run_commit(kv_score_buffer, prefix_states, indices, accept_lens)

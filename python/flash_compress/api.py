@@ -15,8 +15,9 @@ CUDA tensors run the compiled kernels (the variant is picked by
 jobs. The C++ side checks dtypes, shapes, devices and contiguity and raises
 ``ValueError`` / ``TypeError`` naming the argument, so the fast path here adds
 only the output allocation. Values inside device tensors (slots in range,
-``seq_len >= 1``, plan rows) are not checked: set ``FLASH_COMPRESS_DEBUG=1``
-to check them on the host (a sync per call). Under ``torch.compile`` the calls
+``seq_len >= 1`` or ``>= T``, plan rows, accepted lengths) are not checked: the
+kernels skip what does not fit. Set ``FLASH_COMPRESS_DEBUG=1`` to check them on
+the host (a sync per call). Under ``torch.compile`` the calls
 go through the custom ops of :mod:`flash_compress.ops`.
 """
 
