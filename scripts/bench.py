@@ -220,7 +220,6 @@ def implementations(args) -> list[tuple[str, object, torch.dtype]]:
 def run(args) -> list[Row]:
     head_dim = args.head_dim
     impls = implementations(args)
-    module = impls[0][1]
     planner = flash_compress.c128_online.load_planner()
     gen = torch.Generator().manual_seed(0)
     ceiling = copy_gbps()

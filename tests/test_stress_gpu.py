@@ -114,7 +114,7 @@ class StressHarness(ScheduleHarness):
 
     def _verdict(self, out: torch.Tensor, expected: torch.Tensor, before: torch.Tensor, slots: np.ndarray,
                  states: torch.Tensor) -> torch.Tensor:
-        dev, d = self.device, self.head_dim
+        dev = self.device
         nan_mismatch = (torch.isnan(out) != torch.isnan(expected)).sum().to(torch.float64)
         closing = ~torch.isnan(expected[:, 0])
         row_score = torch.zeros((), dtype=torch.float64, device=dev)
