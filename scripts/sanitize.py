@@ -25,7 +25,12 @@ host<->device copies and our kernels; no torch kernel runs to report on):
    float32 variant runs the same verify steps;
 5. the fewest requests whose write-only step, and then whose compress pass,
    run 32-channel slices (one of the four widths ``choose_slice_width``
-   picks from).
+   picks from);
+6. ``head_dim=192``, a head dim that is not a power of two (48 lanes a
+   request in decode and verify, so blocks that are not whole warps; 3
+   slices of 64 channels), both state dtypes: a schedule with compact
+   prefills and verify + commit steps, then (float32) the device-only values
+   of step 2.
 
 torch's caching allocator is off in the driver (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``),
 so every tensor is its own cudaMalloc and memcheck sees the exact bounds.
@@ -52,6 +57,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 HEAD_DIM = 128
+#: Step 6's head dim: not a power of two.
+ODD_HEAD_DIM = 192
 DRIVER_OK = "SANITIZE DRIVER OK"
 
 # Tool options: racecheck reports every hazard it sees; memcheck also checks
@@ -140,6 +147,29 @@ def _driver(use_pdl: bool) -> None:
     h.prefill_step([(r, 128, None) for r in batch])
     h.check_live_states()
     print(f"32-channel slices: {mid} requests, {h.stats.rows_checked} rows checked", flush=True)
+
+    # 6. A head dim that is not a power of two, both state dtypes.
+    odd_runs = {state_dtype: DeviceRunner(flash_compress.load_module(head_dim=ODD_HEAD_DIM, use_pdl=use_pdl,
+                                                                     state_dtype=state_dtype))
+                for state_dtype in flash_compress.c128_online.STATE_DTYPES}
+    for state_dtype, odd in odd_runs.items():
+        h = ScheduleHarness(odd, head_dim=ODD_HEAD_DIM, device="cpu", seed=7, num_slots=8,
+                            state_dtype=getattr(torch, state_dtype), compact=None, verify_prob=0.3)
+        for _ in range(8):
+            h.random_step()
+        h.check_live_states()
+        print(f"head_dim {ODD_HEAD_DIM} {state_dtype}: {h.stats.prefill_calls} prefill, {h.stats.decode_calls} "
+              f"decode, {h.stats.verify_calls} verify calls", flush=True)
+    odd = odd_runs["float32"]
+    for seed in range(2):  # float32 pools: the device-only values of step 2
+        call = dv.bad_decode_call(seed, ODD_HEAD_DIM)
+        buffer, output = call.buffer.clone(), call.output.clone()
+        odd.run_decode(buffer, call.inputs, output, call.ape, call.indices, call.seq_lens, None)
+        dv.check_against_reference(call, buffer, output, f"head_dim {ODD_HEAD_DIM} bad decode {seed}")
+        call = dv.bad_prefill_call(seed, ODD_HEAD_DIM)
+        buffer, output = call.buffer.clone(), call.output.clone()
+        odd.run_prefill(*(buffer, call.inputs, output) + call.args()[3:])
+        dv.check_against_reference(call, buffer, output, f"head_dim {ODD_HEAD_DIM} bad prefill {seed}")
     torch.cuda.synchronize()
     print(DRIVER_OK, flush=True)
 
@@ -166,7 +196,8 @@ def _prebuild(pdl_values: list[int]) -> None:
 
     for pdl in pdl_values:
         for state_dtype in flash_compress.c128_online.STATE_DTYPES:
-            flash_compress.load_module(head_dim=HEAD_DIM, use_pdl=bool(pdl), state_dtype=state_dtype)
+            for head_dim in (HEAD_DIM, ODD_HEAD_DIM):
+                flash_compress.load_module(head_dim=head_dim, use_pdl=bool(pdl), state_dtype=state_dtype)
 
 
 # racecheck ends with "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)";
