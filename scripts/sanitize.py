@@ -77,6 +77,22 @@ TOOL_FLAGS = {
 # ---------------------------------------------------------------------------
 
 
+def _bad_values(run, head_dim: int) -> None:
+    """Decode and prefill calls mixing good rows with values only the device sees, each checked against
+    the reference on the rows the kernels keep (``tests/device_values.py``); ``run`` takes float32 pools."""
+    import device_values as dv
+
+    for seed in range(2):
+        call = dv.bad_decode_call(seed, head_dim)
+        buffer, output = call.buffer.clone(), call.output.clone()
+        run.run_decode(buffer, call.inputs, output, call.ape, call.indices, call.seq_lens, None)
+        dv.check_against_reference(call, buffer, output, f"head_dim {head_dim} bad decode {seed}")
+        call = dv.bad_prefill_call(seed, head_dim)
+        buffer, output = call.buffer.clone(), call.output.clone()
+        run.run_prefill(*(buffer, call.inputs, output) + call.args()[3:])
+        dv.check_against_reference(call, buffer, output, f"head_dim {head_dim} bad prefill {seed}")
+
+
 def _driver(use_pdl: bool) -> None:
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "python")]
     import torch
@@ -105,15 +121,7 @@ def _driver(use_pdl: bool) -> None:
           f"{h.stats.rows_checked} rows checked", flush=True)
 
     # 2. Values only the device sees.
-    for seed in range(2):
-        call = dv.bad_decode_call(seed, HEAD_DIM)
-        buffer, output = call.buffer.clone(), call.output.clone()
-        run.run_decode(buffer, call.inputs, output, call.ape, call.indices, call.seq_lens, None)
-        dv.check_against_reference(call, buffer, output, f"bad decode {seed}")
-        call = dv.bad_prefill_call(seed, HEAD_DIM)
-        buffer, output = call.buffer.clone(), call.output.clone()
-        run.run_prefill(*(buffer, call.inputs, output) + call.args()[3:])
-        dv.check_against_reference(call, buffer, output, f"bad prefill {seed}")
+    _bad_values(run, HEAD_DIM)
     for seed in range(3):
         call = dv.random_bytes_call(seed, HEAD_DIM)
         run.run_prefill(*(call.buffer.clone(), call.inputs, call.output.clone()) + call.args()[3:])
@@ -160,16 +168,7 @@ def _driver(use_pdl: bool) -> None:
         h.check_live_states()
         print(f"head_dim {ODD_HEAD_DIM} {state_dtype}: {h.stats.prefill_calls} prefill, {h.stats.decode_calls} "
               f"decode, {h.stats.verify_calls} verify calls", flush=True)
-    odd = odd_runs["float32"]
-    for seed in range(2):  # float32 pools: the device-only values of step 2
-        call = dv.bad_decode_call(seed, ODD_HEAD_DIM)
-        buffer, output = call.buffer.clone(), call.output.clone()
-        odd.run_decode(buffer, call.inputs, output, call.ape, call.indices, call.seq_lens, None)
-        dv.check_against_reference(call, buffer, output, f"head_dim {ODD_HEAD_DIM} bad decode {seed}")
-        call = dv.bad_prefill_call(seed, ODD_HEAD_DIM)
-        buffer, output = call.buffer.clone(), call.output.clone()
-        odd.run_prefill(*(buffer, call.inputs, output) + call.args()[3:])
-        dv.check_against_reference(call, buffer, output, f"head_dim {ODD_HEAD_DIM} bad prefill {seed}")
+    _bad_values(odd_runs["float32"], ODD_HEAD_DIM)  # float32 pools: step 2's device-only values
     torch.cuda.synchronize()
     print(DRIVER_OK, flush=True)
 
