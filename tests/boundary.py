@@ -1,7 +1,8 @@
-"""The boundary matrix of the compiled module's three raw functions: every bad argument, and what it must say.
+"""The boundary matrix of the compiled module's raw functions: every bad argument, and what it must say.
 
-For each argument of ``run_decode``, ``run_prefill`` and ``plan_online_prefill``
-(``docs/SPEC.md`` section 3) a :class:`Case` replaces that one argument of a valid
+For each argument of ``run_decode``, ``run_prefill``, ``plan_online_prefill``
+(``docs/SPEC.md`` section 3), ``run_prefill_compact`` (section 10), ``run_verify``
+and ``run_commit`` (section 9) a :class:`Case` replaces that one argument of a valid
 call with a bad one: wrong dtype, wrong rank, wrong size in each dimension,
 a non-contiguous or misaligned view, the wrong device type, another CUDA
 device, ``None`` or a non-tensor, plans of the wrong width. Every other
@@ -137,6 +138,28 @@ FUNCTIONS: dict[str, tuple[Arg, ...]] = {
         Arg("write_plan", ("num_write_rows", ROW_BYTES), torch.uint8),
         Arg("load_indices", ("batch_size",), torch.int32, optional=True),
     ),
+    "run_prefill_compact": (
+        Arg("kv_score_buffer", ("num_slots", 1, 3 * D), torch.float32),
+        Arg("kv_score_input", ("num_tokens", 2 * D), torch.float32),
+        Arg("kv_compressed_output", ("num_compress_rows", D), torch.float32),  # a row per compress-plan row
+        Arg("ape", (CHUNK_SIZE, D), torch.float32),
+        Arg("indices", ("batch_size",), torch.int32),
+        Arg("compress_plan", ("num_compress_rows", ROW_BYTES), torch.uint8),
+        Arg("write_plan", ("num_write_rows", ROW_BYTES), torch.uint8),
+        Arg("load_indices", ("batch_size",), torch.int32, optional=True),
+    ),
+    "run_verify": _state("num_tokens")
+    + (
+        Arg("indices", ("batch_size",), torch.int32),
+        Arg("seq_lens", ("batch_size",), torch.int32),
+        Arg("prefix_states", ("num_tokens", 3 * D), torch.float32),
+    ),
+    "run_commit": (
+        Arg("kv_score_buffer", ("num_slots", 1, 3 * D), torch.float32),
+        Arg("prefix_states", ("num_tokens", 3 * D), torch.float32),
+        Arg("indices", ("batch_size",), torch.int32),
+        Arg("accept_lens", ("batch_size",), torch.int32),
+    ),
     "plan_online_prefill": (
         Arg("extend_lens", ("batch_size",), torch.int64, on_gpu=False),
         Arg("seq_lens", ("batch_size",), torch.int64, on_gpu=False),
@@ -151,12 +174,20 @@ CHECK_ORDER: dict[str, tuple[str, ...]] = {
     "run_decode": ("kv_score_buffer", "kv_score_input", "kv_compressed_output", "ape", "indices", "seq_lens"),
     "run_prefill": ("kv_score_buffer", "kv_score_input", "kv_compressed_output", "ape", "indices", "load_indices",
                     "compress_plan", "write_plan"),
+    # The compact output's row count comes from the compress plan, so that plan is checked first.
+    "run_prefill_compact": ("compress_plan", "kv_score_buffer", "kv_score_input", "kv_compressed_output", "ape",
+                            "indices", "load_indices", "write_plan"),
+    "run_verify": ("kv_score_buffer", "kv_score_input", "kv_compressed_output", "ape", "indices", "seq_lens",
+                   "prefix_states"),
+    "run_commit": ("kv_score_buffer", "prefix_states", "indices", "accept_lens"),
     "plan_online_prefill": ("extend_lens", "seq_lens", "compress_plan", "write_plan"),
 }
 
 # A prefill of 3 requests whose plans have compress and write rows.
 PREFILL_EXTEND = [3, 2, 2]
 PREFILL_SEQ = [3, 129, 130]
+# Verify and commit: 2 requests of this many tokens (T).
+VERIFY_TOKENS = 3
 
 
 def valid_values() -> dict[str, dict[str, Any]]:
@@ -175,15 +206,23 @@ def valid_values() -> dict[str, dict[str, Any]]:
         torch.tensor(PREFILL_EXTEND), torch.tensor(PREFILL_SEQ), compress_plan, write_plan, False
     )
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    prefill = {
+        **state(total),
+        "indices": i32(0, 1, 2),
+        "compress_plan": compress_plan[:num_compress].clone(),
+        "write_plan": write_plan[:num_write].clone(),
+        "load_indices": i32(3, 1, 4),
+    }
+    verify_rows = 2 * VERIFY_TOKENS
     return {
         "run_decode": {**state(3), "indices": i32(0, 2, 4), "seq_lens": i32(1, 128, 300), "extra": None},
-        "run_prefill": {
-            **state(total),
-            "indices": i32(0, 1, 2),
-            "compress_plan": compress_plan[:num_compress].clone(),
-            "write_plan": write_plan[:num_write].clone(),
-            "load_indices": i32(3, 1, 4),
-        },
+        "run_prefill": prefill,
+        "run_prefill_compact": {**prefill, "kv_compressed_output": torch.full((num_compress, D), float("nan"))},
+        "run_verify": {**state(verify_rows), "indices": i32(0, 3), "seq_lens": i32(5, 130),
+                       "prefix_states": torch.full((verify_rows, 3 * D), float("nan"))},
+        "run_commit": {"kv_score_buffer": torch.randn(NUM_SLOTS, 1, 3 * D, generator=gen),
+                       "prefix_states": torch.randn(verify_rows, 3 * D, generator=gen),
+                       "indices": i32(0, 3), "accept_lens": i32(1, VERIFY_TOKENS)},
         "plan_online_prefill": {
             "extend_lens": torch.tensor(PREFILL_EXTEND, dtype=torch.int64),
             "seq_lens": torch.tensor(PREFILL_SEQ, dtype=torch.int64),

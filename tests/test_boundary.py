@@ -94,10 +94,12 @@ def test_refused_planner_call_writes_nothing(module, case):
 @pytest.mark.parametrize("case", [c for c in CASES if c.function != "plan_online_prefill" and not c.positional],
                          ids=lambda c: c.id)
 def test_refused_kernel_call_writes_nothing_on_gpu(module, case):
-    """On the device: the state buffer and the output are bitwise unchanged after a refused call."""
+    """On the device: the state buffer, the output and the prefix states are bitwise unchanged after a
+    refused call."""
     values = boundary.valid_values()[case.function]
     cuda = {name: v.cuda() if isinstance(v, torch.Tensor) else v for name, v in values.items()}
-    watched = {name: cuda[name].clone() for name in ("kv_score_buffer", "kv_compressed_output")}
+    watched = {name: cuda[name].clone() for name in ("kv_score_buffer", "kv_compressed_output", "prefix_states")
+               if name in cuda}
     # The case's own argument is placed by `call`; every other one is these CUDA tensors, watched afterwards.
     with pytest.raises((TypeError, ValueError)):
         boundary.call(module, case, case.function, cuda, True)
@@ -111,8 +113,8 @@ def test_refused_kernel_call_writes_nothing_on_gpu(module, case):
 # The reference: the same functions in PyTorch, the same kind of messages.
 # ---------------------------------------------------------------------------
 
-# The reference takes any float dtype and any layout (it computes in float64 and
-# indexes with torch), so dtype cases there are non-float / non-integer ones.
+# A wrong dtype of another kind than the one expected (the reference checks dtypes as the exports do, but
+# not layouts: it computes in float64 and indexes with torch, so any strides work).
 _REFERENCE_DTYPES = {torch.float32: torch.int32, torch.int32: torch.float32, torch.int64: torch.float64,
                      torch.uint8: torch.int8}
 
@@ -142,6 +144,8 @@ def _reference_cases():
             for i, dim in enumerate(arg.dims):
                 if dim in ("num_slots", "num_compress_rows", "num_write_rows"):
                     continue  # free sizes
+                if isinstance(dim, str) and sum(dim in a.dims for a in args) == 1:
+                    continue  # no other tensor shares it (compact prefill's tokens, commit's rows): free too
                 if function == "run_prefill" and dim == "batch_size" and arg.name == "indices":
                     continue  # binds the batch; load_indices would report it (covered from that side)
                 shape = list(valid.shape)
@@ -158,7 +162,7 @@ def _reference_cases():
 def test_reference_refuses_bad_argument_clearly(function, name, value, error, names):
     values = boundary.valid_values()[function]
     watched = {k: v.clone() for k, v in values.items() if k in ("kv_score_buffer", "kv_compressed_output",
-                                                                   "compress_plan", "write_plan")}
+                                                                   "compress_plan", "write_plan", "prefix_states")}
     values[name] = value
     args = [values[a.name] for a in boundary.FUNCTIONS[function]]
     with pytest.raises(error) as caught:
