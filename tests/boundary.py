@@ -27,6 +27,7 @@ encodes that.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -47,6 +48,7 @@ __all__ = [
     "Case",
     "FUNCTIONS",
     "HEAD_DIM",
+    "STATE_ARGS",
     "all_cases",
     "call",
     "relabel",
@@ -190,8 +192,19 @@ PREFILL_SEQ = [3, 129, 130]
 VERIFY_TOKENS = 3
 
 
-def valid_values() -> dict[str, dict[str, Any]]:
-    """A valid call of each function, as host (CPU) values; runnable on a GPU as they are."""
+#: The arguments in the variant's state dtype (docs/SPEC.md section 8); every other float tensor is float32.
+STATE_ARGS = ("kv_score_buffer", "prefix_states")
+
+
+def valid_values(state_dtype: torch.dtype = torch.float32) -> dict[str, dict[str, Any]]:
+    """A valid call of each function to the variant of ``state_dtype``, as host (CPU) values; runnable on a
+    GPU as they are."""
+    return {function: {name: value.to(state_dtype) if name in STATE_ARGS else value
+                       for name, value in values.items()}
+            for function, values in _float32_values().items()}
+
+
+def _float32_values() -> dict[str, dict[str, Any]]:
     gen = torch.Generator().manual_seed(0)
     state = lambda rows: {  # noqa: E731
         "kv_score_buffer": torch.randn(NUM_SLOTS, 1, 3 * D, generator=gen),
@@ -299,10 +312,12 @@ class Case:
     names: tuple[str, ...] = ()  # the argument the message must name
     fragments: tuple[str, ...] = ()  # further substrings the message must contain
     positional: bool = False  # tvm-ffi's own type error ("argument #i"), not our checks
+    state_dtype: torch.dtype = torch.float32  # the variant's: of the pool and the prefix states
 
     @property
     def id(self) -> str:
-        return f"{self.function}-{self.arg}-{self.kind}"
+        variant = "" if self.state_dtype == torch.float32 else f"{dtype_name(self.state_dtype)}-"
+        return f"{variant}{self.function}-{self.arg}-{self.kind}"
 
 
 KEEP = object()
@@ -337,6 +352,7 @@ def call(module, case: Optional[Case], function: str, values: dict[str, Any], re
 
 _WRONG_DTYPES = {
     torch.float32: (torch.float64, torch.float16, torch.int32),
+    torch.bfloat16: (torch.float32, torch.float16),
     torch.int32: (torch.int64, torch.float32, torch.uint8),
     torch.int64: (torch.int32, torch.float64),
     torch.uint8: (torch.int8, torch.int32),
@@ -344,7 +360,7 @@ _WRONG_DTYPES = {
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The name tensor.h prints: float32, int64, uint8, ..."""
+    """The name tensor.h prints: float32, int64, uint8, bfloat16, ..."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -447,13 +463,19 @@ def _positional_cases(function: str, position: int, arg: Arg) -> list[Case]:
     ]
 
 
-def all_cases() -> list[Case]:
-    """Every case of every function."""
-    values = valid_values()
+def all_cases(state_dtype: torch.dtype = torch.float32) -> list[Case]:
+    """Every case of every function of the variant of ``state_dtype`` (the planner's only for float32: it
+    does not depend on the state dtype)."""
+    values = valid_values(state_dtype)
     cases: list[Case] = []
     for function, args in FUNCTIONS.items():
+        if function == "plan_online_prefill" and state_dtype != torch.float32:
+            continue
         for position, arg in enumerate(args):
-            cases += _positional_cases(function, position, arg)
+            arg_cases = _positional_cases(function, position, arg)
             if arg.tensor:
-                cases += _tensor_cases(function, arg, values[function][arg.name])
+                if arg.name in STATE_ARGS:
+                    arg = dataclasses.replace(arg, dtype=state_dtype)
+                arg_cases += _tensor_cases(function, arg, values[function][arg.name])
+            cases += [dataclasses.replace(case, state_dtype=state_dtype) for case in arg_cases]
     return cases

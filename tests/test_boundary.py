@@ -20,23 +20,33 @@ from flash_compress import reference as ref
 from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
 
 REAL_GPU = cuda_available()
-CASES = boundary.all_cases()
+# Both variants' kernels (a variant takes only its own state dtype); the planner once.
+CASES = boundary.all_cases() + boundary.all_cases(torch.bfloat16)
+_variants: dict[torch.dtype, object] = {}
+
+
+def variant(state_dtype: torch.dtype = torch.float32):
+    """The compiled head_dim=128 variant of ``state_dtype`` (compiled once, then loaded from the cache)."""
+    if state_dtype not in _variants:
+        import flash_compress
+
+        _variants[state_dtype] = flash_compress.load_module(head_dim=boundary.HEAD_DIM,
+                                                            state_dtype=boundary.dtype_name(state_dtype))
+    return _variants[state_dtype]
 
 
 @pytest.fixture(scope="module")
 def module():
-    """The compiled head_dim=128 variant (compiled once, then loaded from the cache)."""
-    import flash_compress
-
-    return flash_compress.load_module(head_dim=boundary.HEAD_DIM)
+    """The float32 variant."""
+    return variant()
 
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_argument_is_refused_clearly(module, case):
-    values = boundary.valid_values()[case.function]
+def test_bad_argument_is_refused_clearly(case):
+    values = boundary.valid_values(case.state_dtype)[case.function]
     with pytest.raises(Exception) as caught:
-        boundary.call(module, case, case.function, values, REAL_GPU)
+        boundary.call(variant(case.state_dtype), case, case.function, values, REAL_GPU)
     error = caught.value
     message = str(error)
     assert type(error) is case.error, f"{case.id}: raised {type(error).__name__}({message!r}), want {case.error.__name__}"
@@ -50,10 +60,12 @@ def test_bad_argument_is_refused_clearly(module, case):
 
 
 @pytest.mark.nvcc
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=boundary.dtype_name)
 @pytest.mark.parametrize("function", sorted(boundary.FUNCTIONS))
-def test_valid_baseline_passes_every_check(module, function):
+def test_valid_baseline_passes_every_check(function, state_dtype):
     """The matrix's starting point is valid: on a GPU it runs; without one it gets as far as the launch."""
-    values = boundary.valid_values()[function]
+    module = variant(state_dtype)
+    values = boundary.valid_values(state_dtype)[function]
     if function == "plan_online_prefill" or REAL_GPU:
         result, _ = boundary.call(module, None, function, values, REAL_GPU)
         if function == "plan_online_prefill":
@@ -93,10 +105,11 @@ def test_refused_planner_call_writes_nothing(module, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [c for c in CASES if c.function != "plan_online_prefill" and not c.positional],
                          ids=lambda c: c.id)
-def test_refused_kernel_call_writes_nothing_on_gpu(module, case):
+def test_refused_kernel_call_writes_nothing_on_gpu(gpu, case):
     """On the device: the state buffer, the output and the prefix states are bitwise unchanged after a
     refused call."""
-    values = boundary.valid_values()[case.function]
+    module = variant(case.state_dtype)
+    values = boundary.valid_values(case.state_dtype)[case.function]
     cuda = {name: v.cuda() if isinstance(v, torch.Tensor) else v for name, v in values.items()}
     watched = {name: cuda[name].clone() for name in ("kv_score_buffer", "kv_compressed_output", "prefix_states")
                if name in cuda}
