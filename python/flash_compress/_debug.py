@@ -41,17 +41,21 @@ else:  # not CPython's os.environ: take the portable, slower road
         return os.environ.get(_VAR, "").lower() not in _OFF
 
 
-def _check_slots(indices: torch.Tensor, name: str, num_slots: int) -> None:
-    if not isinstance(indices, torch.Tensor) or indices.numel() == 0:
+def _check_values(values: object, name: str, low: int, high: Optional[int], expected: str) -> None:
+    """Every value of the ``[B]`` tensor ``values`` in ``[low, high]`` (``high`` None: no upper bound), or
+    ValueError naming the first that is not, saying ``expected ...``."""
+    if not isinstance(values, torch.Tensor) or values.numel() == 0:
         return  # the kernels' own checks name a wrong type; an empty batch has nothing to check
-    host = indices.detach().to("cpu", torch.int64)
-    bad = (host < 0) | (host >= num_slots)
+    host = values.detach().to("cpu", torch.int64)
+    bad = host < low if high is None else (host < low) | (host > high)
     if bool(bad.any()):
         b = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"argument '{name}': expected every slot in [0, {num_slots}) (kv_score_buffer has {num_slots} slots), "
-            f"got {name}[{b}] = {int(host[b])}"
-        )
+        raise ValueError(f"argument '{name}': expected {expected}, got {name}[{b}] = {int(host[b])}")
+
+
+def _check_slots(indices: torch.Tensor, name: str, num_slots: int) -> None:
+    _check_values(indices, name, 0, num_slots - 1,
+                  f"every slot in [0, {num_slots}) (kv_score_buffer has {num_slots} slots)")
 
 
 def _check_slot_arguments(kv_score_buffer: torch.Tensor, indices: torch.Tensor,
@@ -70,24 +74,19 @@ def check_decode(
 ) -> None:
     """Slots in range and every ``seq_len >= 1`` (the new token's position is ``seq_len - 1``)."""
     _check_slot_arguments(kv_score_buffer, indices, load_indices)
-    if isinstance(seq_lens, torch.Tensor) and seq_lens.numel():
-        host = seq_lens.detach().to("cpu", torch.int64)
-        if bool((host < 1).any()):
-            b = int((host < 1).nonzero()[0, 0])
-            raise ValueError(f"argument 'seq_lens': expected every seq_len >= 1, got seq_lens[{b}] = {int(host[b])}")
+    _check_values(seq_lens, "seq_lens", 1, None, "every seq_len >= 1")
 
 
-def _window(rows: object, indices: object) -> int:
+def _window(rows: Optional[int], indices: object) -> int:
     """T = rows / B for a verify or commit call, or 0 where the kernels' own checks will refuse the call."""
-    if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or not isinstance(rows, int):
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or rows is None:
         return 0
     batch = indices.shape[0]
     return rows // batch if batch and rows % batch == 0 else 0
 
 
-def _first_bad(values: torch.Tensor, bad: torch.Tensor) -> tuple[int, int]:
-    b = int(bad.nonzero()[0, 0])
-    return b, int(values[b])
+def _rows(tensor: object) -> Optional[int]:
+    return tensor.shape[0] if isinstance(tensor, torch.Tensor) and tensor.dim() else None
 
 
 def check_verify(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, indices: torch.Tensor,
@@ -95,14 +94,9 @@ def check_verify(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, in
     """Slots in range and every ``seq_len >= T`` (the window's first token is at ``seq_len - T``): the kernel
     skips a request that breaks either."""
     _check_slot_arguments(kv_score_buffer, indices, None)
-    rows = kv_score_input.shape[0] if isinstance(kv_score_input, torch.Tensor) and kv_score_input.dim() else None
-    window = _window(rows, indices)
-    if window and isinstance(seq_lens, torch.Tensor) and seq_lens.numel():
-        host = seq_lens.detach().to("cpu", torch.int64)
-        if bool((host < window).any()):
-            b, value = _first_bad(host, host < window)
-            raise ValueError(f"argument 'seq_lens': expected every seq_len >= T = {window} (the tokens per request), "
-                             f"got seq_lens[{b}] = {value}")
+    window = _window(_rows(kv_score_input), indices)
+    if window:
+        _check_values(seq_lens, "seq_lens", window, None, f"every seq_len >= T = {window} (the tokens per request)")
 
 
 def check_commit(kv_score_buffer: torch.Tensor, prefix_states: torch.Tensor, indices: torch.Tensor,
@@ -110,15 +104,9 @@ def check_commit(kv_score_buffer: torch.Tensor, prefix_states: torch.Tensor, ind
     """Slots in range and every accepted length in ``[0, T]`` (0 keeps nothing, as for a request verify
     skipped); the kernel skips a request with a slot outside the pool or a length outside ``[1, T]``."""
     _check_slot_arguments(kv_score_buffer, indices, None)
-    rows = prefix_states.shape[0] if isinstance(prefix_states, torch.Tensor) and prefix_states.dim() else None
-    window = _window(rows, indices)
-    if window and isinstance(accept_lens, torch.Tensor) and accept_lens.numel():
-        host = accept_lens.detach().to("cpu", torch.int64)
-        bad = (host < 0) | (host > window)
-        if bool(bad.any()):
-            b, value = _first_bad(host, bad)
-            raise ValueError(f"argument 'accept_lens': expected every accepted length in [0, T = {window}], "
-                             f"got accept_lens[{b}] = {value}")
+    window = _window(_rows(prefix_states), indices)
+    if window:
+        _check_values(accept_lens, "accept_lens", 0, window, f"every accepted length in [0, T = {window}]")
 
 
 def _check_plan(plan: torch.Tensor, name: str, num_tokens: int, batch: int, compress: bool) -> None:
