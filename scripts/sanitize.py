@@ -162,7 +162,7 @@ def _driver(use_pdl: bool) -> None:
                 for state_dtype in flash_compress.c128_online.STATE_DTYPES}
     for state_dtype, odd in odd_runs.items():
         h = ScheduleHarness(odd, head_dim=ODD_HEAD_DIM, device="cpu", seed=7, num_slots=8,
-                            state_dtype=getattr(torch, state_dtype), compact=None, verify_prob=0.3)
+                            state_dtype=getattr(torch, state_dtype), compact=True, verify_prob=0.3)
         for _ in range(8):
             h.random_step()
         h.check_live_states()

@@ -210,11 +210,13 @@ def test_decode_moves_skip_bad_slots_as_a_prefill_does():
         assert torch.equal(got_buf[slot], buf[slot]) and torch.equal(want_buf[slot], buf[slot])
     assert torch.equal(got_buf[7], buf[6])  # the closing request's state moved; decode leaves it there
 
-    # No request moves: slot 0 is copied onto itself, bit for bit.
-    got_buf = buf.clone()
-    fc.decode(got_buf, inp[:2], ape, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([5, 6], dtype=torch.int32),
-              load_indices=torch.tensor([-5, 2**31 - 1], dtype=torch.int32), out=torch.full((2, D), float("nan")))
-    assert torch.equal(got_buf.view(torch.int32), buf.view(torch.int32))
+    # No request moves: slot 0 is copied onto itself, bit for bit. A seq_len below 1 (the kernel skips the
+    # request) moves nothing either.
+    for load, seq in (([-5, 2**31 - 1], [5, 6]), ([2, 3], [0, -7])):
+        got_buf = buf.clone()
+        fc.decode(got_buf, inp[:2], ape, torch.tensor([0, 1], dtype=torch.int32), torch.tensor(seq, dtype=torch.int32),
+                  load_indices=torch.tensor(load, dtype=torch.int32), out=torch.full((2, D), float("nan")))
+        assert torch.equal(got_buf.view(torch.int32), buf.view(torch.int32)), (load, seq)
 
 
 def test_decode_move_arguments_are_checked_before_the_pool_is_touched():
@@ -230,6 +232,13 @@ def test_decode_move_arguments_are_checked_before_the_pool_is_touched():
         fc.decode(buf, inp, ape, i32(0, 1), torch.tensor([3, 3]), load_indices=i32(1, 2))
     with pytest.raises(TypeError, match="'load_indices'.*torch.Tensor"):
         fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=[1, 2])
+    # The rest of the call is checked too (by the export, with no request) before anything moves.
+    with pytest.raises(TypeError, match="'kv_compressed_output'.*float32"):
+        fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=i32(2, 3), out=torch.zeros(2, D).double())
+    with pytest.raises(ValueError, match="'kv_score_input'"):
+        fc.decode(buf, inp[:, :D], ape, i32(0, 1), i32(3, 3), load_indices=i32(2, 3))
+    with pytest.raises(ValueError, match="'out'.*2 rows like indices"):
+        fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=i32(2, 3), out=torch.zeros(3, D))
     assert torch.equal(buf, before)
 
 

@@ -27,8 +27,9 @@ HEAD_DIMS = (64, 192, 320, 1024)
 
 
 @pytest.fixture(scope="module")
-def variants(gpu):
-    """The variants, built at once in parallel (one alone takes about a minute) and loaded."""
+def variants():
+    """The variants, built at once in parallel (one alone takes about a minute) and loaded. (The module's
+    ``gpu`` mark skips its tests without a GPU; the ``gpu`` fixture is per test, so not asked for here.)"""
     from flash_compress.jit import cli
 
     grid = [(f"head_dim={d} state={s}", spec(d, True, s)) for d in HEAD_DIMS for s in STATE_DTYPES]

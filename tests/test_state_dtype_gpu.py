@@ -15,7 +15,7 @@ import torch
 
 import flash_compress as fc
 from flash_compress import reference as ref
-from flash_compress.c128_online import HEAD_DIMS_TESTED
+from flash_compress.c128_online import HEAD_DIMS_TESTED, STATE_DTYPES
 from flash_compress.plan_rows import CHUNK_SIZE
 from schedule import ScheduleHarness, run_schedule
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 HEAD_DIMS = HEAD_DIMS_TESTED
 PDL = (False, True)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in STATE_DTYPES}
 
 _modules: dict[tuple[int, bool, str], object] = {}
 

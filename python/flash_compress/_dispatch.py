@@ -89,9 +89,10 @@ def new_output(kv_score_input: torch.Tensor, ape: torch.Tensor, rows: Optional[i
         raise _not_tensor(kv_score_input=kv_score_input, ape=ape) from None
 
 
-def _check_move_arguments(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_indices: torch.Tensor,
-                          seq_lens: torch.Tensor) -> None:
-    """What a decode move reads before the kernel's own checks run: ``[B]`` int32 tensors on the pool's device."""
+def _check_move_arguments(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, out: torch.Tensor,
+                          indices: torch.Tensor, load_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """What a decode move reads, and the row counts a dry call of the kernel cannot see: ``[B]`` int32 tensors
+    on the pool's device, and ``B`` rows of input and output."""
     for name, t in (("indices", indices), ("load_indices", load_indices), ("seq_lens", seq_lens)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
@@ -103,6 +104,10 @@ def _check_move_arguments(kv_score_buffer: torch.Tensor, indices: torch.Tensor, 
         if t.device != kv_score_buffer.device:
             raise ValueError(f"argument '{name}': expected device {kv_score_buffer.device} like kv_score_buffer, "
                              f"got {t.device}")
+    for name, t in (("kv_score_input", kv_score_input), ("out", out)):
+        if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != indices.shape[0]):
+            raise ValueError(f"argument '{name}': expected {indices.shape[0]} rows like indices, "
+                             f"got shape {list(t.shape)}")
 
 
 def relocate_states(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_indices: torch.Tensor,
@@ -121,7 +126,7 @@ def relocate_states(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_i
     num_slots = kv_score_buffer.shape[0]
     fresh = (seq_lens.to(torch.int64) - 1) % CHUNK_SIZE == 0
     load_ok = (load_indices >= 0) & (load_indices < num_slots)
-    move = load_ok & (indices >= 0) & (indices < num_slots) & ~fresh
+    move = load_ok & (indices >= 0) & (indices < num_slots) & ~fresh & (seq_lens >= 1)  # what the kernel runs
     if num_slots and indices.numel():
         # Requests that move nothing copy what another move copies (the same bytes to the same slot, so the
         # duplicate writes agree), or slot 0 onto itself when none moves: every index stays in the pool.
@@ -151,7 +156,7 @@ def _variant(kv_score_buffer: torch.Tensor, head_dim: int, use_pdl: Optional[boo
     except AttributeError:
         raise _not_tensor(kv_score_buffer=kv_score_buffer) from None
     if state_dtype is None:
-        raise TypeError(f"argument 'kv_score_buffer': expected dtype float32 or bfloat16 (the state dtype), "
+        raise TypeError(f"argument 'kv_score_buffer': expected dtype {' or '.join(STATE_DTYPES)} (the state dtype), "
                         f"got {str(kv_score_buffer.dtype).removeprefix('torch.')}")
     if on_cuda:
         return kernels(head_dim, use_pdl, state_dtype)
@@ -175,7 +180,10 @@ def decode_into(
     if _debug.enabled():
         _debug.check_decode(kv_score_buffer, indices, seq_lens, load_indices)
     if load_indices is not None:
-        _check_move_arguments(kv_score_buffer, indices, load_indices, seq_lens)
+        _check_move_arguments(kv_score_buffer, kv_score_input, out, indices, load_indices, seq_lens)
+        # The export's own checks of every other argument, before the move writes the pool: with no
+        # request (B = 0) it checks and returns without a launch.
+        module.run_decode(kv_score_buffer, kv_score_input[:0], out[:0], ape, indices[:0], seq_lens[:0], None)
         indices = relocate_states(kv_score_buffer, indices, load_indices, seq_lens)
     module.run_decode(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, None)
 

@@ -195,7 +195,7 @@ def _check_state_dtype(kv_score_buffer: torch.Tensor) -> None:
     """The pool's dtype is a state dtype (SPEC section 8), or TypeError naming it, as the exports raise."""
     if kv_score_buffer.dtype not in STATE_DTYPES:
         raise TypeError(
-            f"argument 'kv_score_buffer': expected dtype float32 or bfloat16 (the state dtype), "
+            f"argument 'kv_score_buffer': expected dtype {' or '.join(c128_online.STATE_DTYPES)} (the state dtype), "
             f"got {kv_score_buffer.dtype}"
         )
 
