@@ -148,6 +148,27 @@ def test_kernels_fit_the_registers_their_launch_shapes_assume(head_dim, tmp_path
     assert bf16_decode and max(bf16_decode.values()) <= 32, bf16_decode
 
 
+@needs_nvcc
+@pytest.mark.nvcc
+def test_a_head_dim_that_is_not_a_power_of_two_builds_with_only_the_known_spill(tmp_path):
+    """head_dim 192 (48 lanes a request in decode and verify, slices that do not fill powers of two):
+    every kernel builds at both state dtypes, and the only spills are the compress pass's 16 bytes of
+    its outer item counter (the docstring above), none in a token loop's kernel besides."""
+    head_dim = 192
+    instances = "".join(f"template struct flash_compress::c128::C128Online<{head_dim}, true, {cxx}>;\n"
+                        for cxx, _ in STATE_DTYPES.values())
+    flags = (*spec(head_dim, True).extra_cuda_cflags, "--resource-usage")
+    result = compile_alone("#include <deepseek_v4/c128_online.cuh>\n" + instances, "90", tmp_path, flags)
+    assert result.returncode == 0, result.stdout + result.stderr
+    usage = ptxas_usage(result.stdout + result.stderr)
+    for kernel in ("c128_decode_kernel", "c128_prefill_kernel", "c128_verify_kernel", "c128_commit_kernel"):
+        assert sum(kernel in name for name in usage) >= 2, (kernel, sorted(usage))
+    compress_pass = re.compile(rf"c128_prefill_kernelILl{head_dim}ELj\d+ELb0E")
+    unexpected = {name: spills for name, (_, spills) in usage.items()
+                  if spills and not (compress_pass.search(name) and spills <= 16)}
+    assert not unexpected, unexpected
+
+
 def shared_facts_program() -> str:
     """A unit that compiles only where the C++ homes of the facts Python also needs hold Python's values."""
     from flash_compress.c128_online import is_supported_head_dim
