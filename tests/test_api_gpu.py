@@ -249,6 +249,31 @@ def test_decode_moves_capture_in_a_cuda_graph_and_skip_as_on_the_cpu(gpu, throug
                 oracle.assert_rows_close(got_state[slot], want_state[slot], f"step {k}: slot {slot}")
 
 
+def test_a_refused_decode_move_leaves_the_pool_alone(gpu):
+    """The move writes the pool before the kernel, so the whole call is checked first; a view with no rows
+    passes any layout check, so the layouts are checked on the full tensors."""
+    d = 128
+    gen = torch.Generator().manual_seed(14)
+    buf = torch.randn(4, 1, 3 * d, generator=gen).to(DEV)
+    ape = torch.randn(CHUNK_SIZE, d, generator=gen).to(DEV)
+    inp = torch.randn(2, 2 * d, generator=gen).to(DEV)
+    before = buf.clone()
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32, device=DEV)  # noqa: E731
+    bad = {
+        "'kv_score_input'.*contiguous": dict(kv_score_input=torch.zeros(2, 4 * d, device=DEV)[:, ::2]),
+        "'out'.*aligned to 16 bytes": dict(out=torch.zeros(2 * d + 1, device=DEV)[1:].view(2, d)),
+        "'kv_compressed_output'.*float32": dict(out=torch.zeros(2, d, dtype=torch.float64, device=DEV)),
+        "'kv_score_input'": dict(kv_score_input=inp[:, :d].contiguous()),
+        "'ape'": dict(ape=ape[:64]),
+    }
+    for message, change in bad.items():
+        args = {"kv_score_input": inp, "ape": ape, "out": None, **change}
+        with pytest.raises((TypeError, ValueError), match=message):
+            fc.decode(buf, args["kv_score_input"], args["ape"], i32(0, 1), i32(3, 3), load_indices=i32(2, 3),
+                      out=args["out"])
+        assert torch.equal(buf, before), message
+
+
 def test_debug_mode_refuses_bad_slots_before_launching(gpu, monkeypatch):
     monkeypatch.setenv("FLASH_COMPRESS_DEBUG", "1")
     d = 128

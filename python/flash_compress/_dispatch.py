@@ -105,9 +105,19 @@ def _check_move_arguments(kv_score_buffer: torch.Tensor, kv_score_input: torch.T
             raise ValueError(f"argument '{name}': expected device {kv_score_buffer.device} like kv_score_buffer, "
                              f"got {t.device}")
     for name, t in (("kv_score_input", kv_score_input), ("out", out)):
-        if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != indices.shape[0]):
+        if not isinstance(t, torch.Tensor):
+            continue  # the export names it
+        if t.dim() == 0 or t.shape[0] != indices.shape[0]:
             raise ValueError(f"argument '{name}': expected {indices.shape[0]} rows like indices, "
                              f"got shape {list(t.shape)}")
+        if not t.is_cuda:
+            continue  # the reference, which takes any layout
+        # The export's dry call sees these tensors with no rows, and an empty view passes any layout check.
+        if not t.is_contiguous():
+            raise ValueError(f"argument '{name}': expected a contiguous tensor, got a non-contiguous view")
+        if t.data_ptr() % 16:
+            raise ValueError(f"argument '{name}': expected data aligned to 16 bytes, "
+                             f"got a pointer offset by {t.data_ptr() % 16} bytes")
 
 
 def relocate_states(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_indices: torch.Tensor,
