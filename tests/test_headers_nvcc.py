@@ -123,6 +123,20 @@ def test_an_arch_without_cp_async_stops_with_one_clear_line(tmp_path):
     assert "cp.async needs sm_80 or newer" in first_error, first_error
 
 
+def kernel_usage(head_dim: int, tmp_path: Path) -> dict[str, tuple[int, int]]:
+    """ptxas's (registers, spill bytes) for every kernel of both state dtypes' PDL variants at ``head_dim``,
+    built with the loader's flags; each of the four kernels must be there for both dtypes."""
+    instances = "".join(f"template struct flash_compress::c128::C128Online<{head_dim}, true, {cxx}>;\n"
+                        for cxx, _ in STATE_DTYPES.values())
+    flags = (*spec(head_dim, True).extra_cuda_cflags, "--resource-usage")
+    result = compile_alone("#include <deepseek_v4/c128_online.cuh>\n" + instances, "90", tmp_path, flags)
+    assert result.returncode == 0, result.stdout + result.stderr
+    usage = ptxas_usage(result.stdout + result.stderr)
+    for kernel in ("c128_decode_kernel", "c128_prefill_kernel", "c128_verify_kernel", "c128_commit_kernel"):
+        assert sum(kernel in name for name in usage) >= 2, (kernel, sorted(usage))
+    return usage
+
+
 @needs_nvcc
 @pytest.mark.nvcc
 @pytest.mark.parametrize("head_dim", [128, 512, 1024])
@@ -132,15 +146,7 @@ def test_kernels_fit_the_registers_their_launch_shapes_assume(head_dim, tmp_path
     (At head dims that are not powers of two, and in head_dim 64's write pass, the prefill spills
     16 bytes: its outer loop's 64-bit item counter, stored and reloaded once per 32 items, outside
     the token loop; seventeenth session, `nvdisasm` of head_dim 64 and 192.)"""
-    instances = "".join(f"template struct flash_compress::c128::C128Online<{head_dim}, true, {cxx}>;\n"
-                        for cxx, _ in STATE_DTYPES.values())
-    flags = (*spec(head_dim, True).extra_cuda_cflags, "--resource-usage")
-    result = compile_alone("#include <deepseek_v4/c128_online.cuh>\n" + instances, "90", tmp_path, flags)
-    assert result.returncode == 0, result.stdout + result.stderr
-    usage = ptxas_usage(result.stdout + result.stderr)
-    kernels = ("c128_decode_kernel", "c128_prefill_kernel", "c128_verify_kernel", "c128_commit_kernel")
-    for kernel in kernels:  # each kernel, both state dtypes
-        assert sum(kernel in name for name in usage) >= 2, (kernel, sorted(usage))
+    usage = kernel_usage(head_dim, tmp_path)
     spilling = {name: spills for name, (_, spills) in usage.items() if spills}
     assert not spilling, spilling
     bf16_decode = {name: regs for name, (regs, _) in usage.items()
@@ -155,14 +161,7 @@ def test_a_head_dim_that_is_not_a_power_of_two_builds_with_only_the_known_spill(
     every kernel builds at both state dtypes, and the only spills are the compress pass's 16 bytes of
     its outer item counter (the docstring above), none in a token loop's kernel besides."""
     head_dim = 192
-    instances = "".join(f"template struct flash_compress::c128::C128Online<{head_dim}, true, {cxx}>;\n"
-                        for cxx, _ in STATE_DTYPES.values())
-    flags = (*spec(head_dim, True).extra_cuda_cflags, "--resource-usage")
-    result = compile_alone("#include <deepseek_v4/c128_online.cuh>\n" + instances, "90", tmp_path, flags)
-    assert result.returncode == 0, result.stdout + result.stderr
-    usage = ptxas_usage(result.stdout + result.stderr)
-    for kernel in ("c128_decode_kernel", "c128_prefill_kernel", "c128_verify_kernel", "c128_commit_kernel"):
-        assert sum(kernel in name for name in usage) >= 2, (kernel, sorted(usage))
+    usage = kernel_usage(head_dim, tmp_path)
     compress_pass = re.compile(rf"c128_prefill_kernelILl{head_dim}ELj\d+ELb0E")
     unexpected = {name: spills for name, (_, spills) in usage.items()
                   if spills and not (compress_pass.search(name) and spills <= 16)}
