@@ -168,6 +168,59 @@ def test_a_head_dim_that_is_not_a_power_of_two_builds_with_only_the_known_spill(
     assert not unexpected, unexpected
 
 
+# Prints, per supported head dim, the thread layouts of decode, verify and commit:
+# "head_dim lanes verify_threads verify_requests decode_max_threads decode_min_requests decode_max_requests
+#  commit_threads_per_row_f32 commit_threads_per_row_bf16".
+LAYOUT_PROGRAM = """
+#include <deepseek_v4/c128_decode.cuh>
+#include <deepseek_v4/c128_verify.cuh>
+
+#include <cstdio>
+#include <utility>
+
+using namespace flash_compress::c128;
+
+template <int64_t kHeadDim>
+void print_layouts() {
+  using Decode = DecodeLayout<kHeadDim, float>;
+  using Verify = VerifyLayout<kHeadDim>;
+  std::printf("%lld %u %u %u %u %u %u %u %u\\n", static_cast<long long>(kHeadDim), Verify::kLanes, Verify::kThreads,
+              Verify::kRequestsPerBlock, Decode::kMaxThreads, Decode::kMinRequestsPerBlock,
+              Decode::kMaxRequestsPerBlock, CommitLayout<kHeadDim, float>::kThreadsPerRow,
+              CommitLayout<kHeadDim, device::bf16_t>::kThreadsPerRow);
+}
+
+template <int64_t... kSteps>
+void print_all(std::integer_sequence<int64_t, kSteps...>) {
+  (print_layouts<64 * (kSteps + 1)>(), ...);
+}
+
+int main() {
+  print_all(std::make_integer_sequence<int64_t, 16>{});
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+@pytest.mark.nvcc
+def test_decode_and_verify_blocks_tile_their_requests_at_every_head_dim(tmp_path):
+    """A request's lanes (head_dim / 4 threads, 4 channels each) never straddle blocks and no thread is left
+    over to fall onto the next block's request, at every supported head dim; a decode block is at least a
+    warp; commit's threads split a row into whole pieces."""
+    result = compile_alone(LAYOUT_PROGRAM, "90", tmp_path, executable=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = subprocess.run([str(tmp_path / "unit")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    rows = [tuple(int(x) for x in line.split()) for line in run.stdout.splitlines()]
+    assert [row[0] for row in rows] == list(range(64, 1025, 64))
+    for head_dim, lanes, threads, requests, decode_max, decode_min, decode_most, commit_f32, commit_bf16 in rows:
+        assert lanes == head_dim // 4
+        assert requests >= 1 and threads == requests * lanes <= 1024, (head_dim, threads, requests)
+        assert decode_min * lanes >= 32 and decode_most * lanes <= decode_max <= 1024, head_dim
+        assert 3 * head_dim * 4 == commit_f32 * 4 * 16 and 3 * head_dim * 2 == commit_bf16 * 4 * 16, head_dim
+
+
 def shared_facts_program() -> str:
     """A unit that compiles only where the C++ homes of the facts Python also needs hold Python's values."""
     from flash_compress.c128_online import is_supported_head_dim
