@@ -26,7 +26,7 @@ from flash_compress import _debug, _dispatch
 from flash_compress import reference as ref
 from flash_compress.c128_online import load_planner
 from flash_compress.jit import JitDisabledError
-from flash_compress.plan_rows import CHUNK_SIZE, decode_rows, encode_rows
+from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES, decode_rows, encode_rows
 from schedule import ScheduleHarness, run_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,8 +68,8 @@ def test_plan_prefill_on_host_matches_reference_planner(compiled_planner, case, 
     plan = fc.plan_prefill(torch.tensor(seq, dtype=dtypes[0]), torch.tensor(extend, dtype=dtypes[1]), device="cpu",
                            use_cuda_graph=graph)
     m = sum(extend)
-    want_c = torch.zeros(m, 16, dtype=torch.uint8)
-    want_w = torch.zeros(m, 16, dtype=torch.uint8)
+    want_c = torch.zeros(m, ROW_BYTES, dtype=torch.uint8)
+    want_w = torch.zeros(m, ROW_BYTES, dtype=torch.uint8)
     nc, nw = ref.plan_online_prefill(torch.tensor(extend), torch.tensor(seq), want_c, want_w, graph)
     assert isinstance(plan, fc.PrefillPlan) and plan.use_cuda_graph is graph and plan.counts is None
     assert (plan.num_compress, plan.num_write) == (nc, nw)
@@ -348,7 +348,7 @@ def test_debug_prefill_skips_padding_rows_and_checks_slots(debug_mode):
 def test_debug_prefill_checks_the_gpu_planner_error_flag(debug_mode):
     buf, ape, gen = state_pool()
     inp = torch.randn(4, 2 * D, generator=gen)
-    pad = torch.full((4, 16), 0xFF, dtype=torch.uint8)
+    pad = torch.full((4, ROW_BYTES), 0xFF, dtype=torch.uint8)
     flagged = fc.PrefillPlan(pad, pad.clone(), 4, 4, True, counts=torch.tensor([4, 4, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"'plan'.*error flag 1 \(some extend_lens\[b\] < 1\)"):
         fc.prefill(buf, inp, ape, torch.tensor([0], dtype=torch.int32), flagged)

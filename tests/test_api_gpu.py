@@ -17,7 +17,7 @@ import flash_compress as fc
 import oracle
 from api_adapters import ApiImpl, OpsImpl
 from flash_compress import reference as ref
-from flash_compress.plan_rows import CHUNK_SIZE, PADDING_ROW, decode_rows
+from flash_compress.plan_rows import CHUNK_SIZE, PADDING_ROW, ROW_BYTES, decode_rows
 from schedule import run_schedule
 
 pytestmark = pytest.mark.gpu
@@ -48,7 +48,7 @@ def test_plan_prefill_from_cpu_int32_lengths_lands_on_the_gpu(gpu, graph):
     plan = fc.plan_prefill(torch.tensor(seq, dtype=torch.int32), torch.tensor(extend, dtype=torch.int32),
                            device=DEV, use_cuda_graph=graph)
     m = sum(extend)
-    want_c, want_w = torch.zeros(m, 16, dtype=torch.uint8), torch.zeros(m, 16, dtype=torch.uint8)
+    want_c, want_w = torch.zeros(m, ROW_BYTES, dtype=torch.uint8), torch.zeros(m, ROW_BYTES, dtype=torch.uint8)
     nc, nw = ref.plan_online_prefill(torch.tensor(extend), torch.tensor(seq), want_c, want_w, graph)
     assert plan.compress_plan.is_cuda and plan.write_plan.is_cuda and plan.counts is None
     assert (plan.num_compress, plan.num_write) == (nc, nw)
@@ -133,8 +133,8 @@ def test_cuda_graph_replay_with_new_inputs_and_plans_equals_eager(gpu, through_o
     static_inp = torch.empty(m, 2 * d, device=DEV)
     static_dec = torch.empty(2, 2 * d, device=DEV)
     static_seq = torch.empty(2, dtype=torch.int32, device=DEV)
-    static_c = torch.empty(m, 16, dtype=torch.uint8, device=DEV)
-    static_w = torch.empty(m, 16, dtype=torch.uint8, device=DEV)
+    static_c = torch.empty(m, ROW_BYTES, dtype=torch.uint8, device=DEV)
+    static_w = torch.empty(m, ROW_BYTES, dtype=torch.uint8, device=DEV)
     static_out = torch.empty(m, d, device=DEV)
     static_dec_out = torch.empty(2, d, device=DEV)
 

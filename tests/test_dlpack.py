@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flash_compress import reference as ref
+from flash_compress.plan_rows import ROW_BYTES
 
 pytestmark = pytest.mark.nvcc
 
@@ -28,18 +29,18 @@ def module():
 def test_planner_plans_into_numpy_arrays(module, graph):
     extend, seq = [300, 1, 57, 129], [300, 128, 1000, 129]
     m = sum(extend)
-    compress, write = np.zeros((m, 16), np.uint8), np.zeros((m, 16), np.uint8)
+    compress, write = np.zeros((m, ROW_BYTES), np.uint8), np.zeros((m, ROW_BYTES), np.uint8)
     counts = module.plan_online_prefill(np.array(extend, np.int64), np.array(seq, np.int64), compress, write, graph)
-    want_c, want_w = torch.zeros(m, 16, dtype=torch.uint8), torch.zeros(m, 16, dtype=torch.uint8)
+    want_c, want_w = torch.zeros(m, ROW_BYTES, dtype=torch.uint8), torch.zeros(m, ROW_BYTES, dtype=torch.uint8)
     want = ref.plan_online_prefill(torch.tensor(extend), torch.tensor(seq), want_c, want_w, graph)
     assert tuple(int(n) for n in counts) == tuple(want)
     assert np.array_equal(compress, want_c.numpy()) and np.array_equal(write, want_w.numpy())
 
 
 def test_planner_refuses_numpy_arrays_of_the_wrong_dtype_naming_them(module):
-    plans = np.zeros((5, 16), np.uint8), np.zeros((5, 16), np.uint8)
+    plans = np.zeros((5, ROW_BYTES), np.uint8), np.zeros((5, ROW_BYTES), np.uint8)
     with pytest.raises(TypeError, match="extend_lens"):
         module.plan_online_prefill(np.array([5], np.int32), np.array([5], np.int64), *plans, False)
     with pytest.raises(ValueError, match="compress_plan"):
-        module.plan_online_prefill(np.array([5], np.int64), np.array([5], np.int64), np.zeros((4, 16), np.uint8),
-                                   np.zeros((4, 16), np.uint8), False)
+        module.plan_online_prefill(np.array([5], np.int64), np.array([5], np.int64), np.zeros((4, ROW_BYTES), np.uint8),
+                                   np.zeros((4, ROW_BYTES), np.uint8), False)

@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flash_compress import reference as ref
+from flash_compress.plan_rows import ROW_BYTES
 from schedule import plan_with, run_schedule
 from test_reference import check_plan_invariants
 
@@ -88,8 +89,8 @@ def test_compiled_planner_matches_reference_on_long_extends(module, batch, graph
 
 def _plans(rows_compress: int, rows_write: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 256, (rows_compress, 16), dtype=torch.uint8, generator=gen),
-            torch.randint(0, 256, (rows_write, 16), dtype=torch.uint8, generator=gen))
+    return (torch.randint(0, 256, (rows_compress, ROW_BYTES), dtype=torch.uint8, generator=gen),
+            torch.randint(0, 256, (rows_write, ROW_BYTES), dtype=torch.uint8, generator=gen))
 
 
 def _wrong_sizes(m: int) -> list[tuple[int, int]]:

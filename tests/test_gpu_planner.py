@@ -21,7 +21,7 @@ import torch
 
 import oracle
 from flash_compress import reference as ref
-from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE, PlanError
+from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE, ROW_BYTES, PlanError
 from schedule import counts_of, plan_with
 from test_planner import LIMIT_CASES
 
@@ -49,8 +49,8 @@ def gpu_plan(module, extend, seq, *, dtypes=(torch.int64, torch.int64), rows=Non
     """Plans on the GPU into random-filled CUDA plans; returns (result, compress, write, counts) on the CPU."""
     total = sum(int(e) for e in extend) if rows is None else rows
     gen = torch.Generator().manual_seed(fill_seed)
-    compress = torch.randint(0, 256, (total, 16), dtype=torch.uint8, generator=gen).cuda()
-    write = torch.randint(0, 256, (total, 16), dtype=torch.uint8, generator=gen).cuda()
+    compress = torch.randint(0, 256, (total, ROW_BYTES), dtype=torch.uint8, generator=gen).cuda()
+    write = torch.randint(0, 256, (total, ROW_BYTES), dtype=torch.uint8, generator=gen).cuda()
     extend_t = torch.tensor(list(extend), dtype=dtypes[0]).cuda()
     seq_t = torch.tensor(list(seq), dtype=dtypes[1]).cuda()
     args = [extend_t, seq_t, compress, write, use_cuda_graph]
@@ -211,7 +211,7 @@ def test_invalid_lengths_give_all_sentinel_plans_and_a_flag(gpu, case, dtypes):
 def test_a_bad_plan_then_a_good_one_into_the_same_buffers(gpu):
     """The flag and the rows are rewritten on every call: nothing sticks from a bad call."""
     module = kernels()
-    compress = torch.zeros(6, 16, dtype=torch.uint8, device="cuda")
+    compress = torch.zeros(6, ROW_BYTES, dtype=torch.uint8, device="cuda")
     write = torch.zeros_like(compress)
     counts = torch.zeros(3, dtype=torch.int32, device="cuda")
     lens = lambda *v: torch.tensor(v, dtype=torch.int64, device="cuda")  # noqa: E731
@@ -230,9 +230,9 @@ def test_a_bad_plan_then_a_good_one_into_the_same_buffers(gpu):
 def test_gpu_path_argument_errors_raise_and_name_the_argument(gpu):
     module = kernels()
     lens = torch.tensor([3], dtype=torch.int64, device="cuda")
-    plan = lambda m=3, w=16: torch.zeros(m, w, dtype=torch.uint8, device="cuda")  # noqa: E731
+    plan = lambda m=3, w=ROW_BYTES: torch.zeros(m, w, dtype=torch.uint8, device="cuda")  # noqa: E731
     counts = torch.zeros(3, dtype=torch.int32, device="cuda")
-    mid_row = torch.zeros(5, 16, dtype=torch.uint8, device="cuda").view(-1)[24:72].view(3, 16)  # 8 bytes off
+    mid_row = torch.zeros(5, ROW_BYTES, dtype=torch.uint8, device="cuda").view(-1)[24:72].view(3, ROW_BYTES)  # 8 bytes off
     bad = [
         ("extend_lens", (lens.double(), lens, plan(), plan(), counts)),
         ("extend_lens", (lens.reshape(1, 1), lens.reshape(1, 1), plan(), plan(), counts)),
@@ -268,7 +268,7 @@ class _SixArguments:
 def test_counts_with_host_lengths_raise():
     module = kernels()
     lens = torch.tensor([3], dtype=torch.int64)
-    plan = torch.zeros(3, 16, dtype=torch.uint8)
+    plan = torch.zeros(3, ROW_BYTES, dtype=torch.uint8)
     with pytest.raises(ValueError, match="'counts'"):
         module.plan_online_prefill_counted(lens, lens, plan, plan.clone(), True, torch.zeros(3, dtype=torch.int32))
 
@@ -310,7 +310,7 @@ def test_the_planner_variant_plans_on_the_gpu_as_the_kernel_variants(gpu):
 def test_wrong_argument_counts_raise_type_error(export, nargs):
     module = kernels()
     lens = torch.tensor([3], dtype=torch.int64)
-    plan = torch.zeros(3, 16, dtype=torch.uint8)
+    plan = torch.zeros(3, ROW_BYTES, dtype=torch.uint8)
     args = [lens, lens, plan, plan.clone(), True, None, None][:nargs]
     expected = 5 if export == "plan_online_prefill" else 6
     with pytest.raises(TypeError, match=f"Expected {expected} but got {nargs}"):
@@ -359,8 +359,8 @@ def test_graph_replays_plan_and_prefill_with_new_lengths(gpu, use_pdl):
     indices = torch.tensor(slot_of, dtype=torch.int32, device=dev)
     extend_lens = torch.zeros(batch, dtype=torch.int64, device=dev)
     seq_lens = torch.zeros(batch, dtype=torch.int64, device=dev)
-    compress = torch.empty(m, 16, dtype=torch.uint8, device=dev)
-    write = torch.empty(m, 16, dtype=torch.uint8, device=dev)
+    compress = torch.empty(m, ROW_BYTES, dtype=torch.uint8, device=dev)
+    write = torch.empty(m, ROW_BYTES, dtype=torch.uint8, device=dev)
     counts = torch.zeros(3, dtype=torch.int32, device=dev)
     inp = torch.zeros(m, 2 * d, device=dev)
     out = torch.zeros(m, d, device=dev)
@@ -431,7 +431,7 @@ def test_graph_replays_the_planner_alone_at_large_batch(gpu):
     rng = random.Random(5)
     extend_lens = torch.ones(batch, dtype=torch.int32, device="cuda")
     seq_lens = torch.ones(batch, dtype=torch.int64, device="cuda")
-    compress = torch.empty(m, 16, dtype=torch.uint8, device="cuda")
+    compress = torch.empty(m, ROW_BYTES, dtype=torch.uint8, device="cuda")
     write = torch.empty_like(compress)
     counts = torch.zeros(3, dtype=torch.int32, device="cuda")
     graph = capture(lambda: module.plan_online_prefill_counted(extend_lens, seq_lens, compress, write, True, counts))

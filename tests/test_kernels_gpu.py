@@ -15,7 +15,7 @@ import torch
 
 from flash_compress import reference as ref
 from flash_compress.c128_online import HEAD_DIMS_TESTED
-from flash_compress.plan_rows import CHUNK_SIZE
+from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
 from schedule import SLICE_WIDTHS, ScheduleHarness, plan_with, prefill_pass, rows_for_slice_width, run_schedule
 
 pytestmark = pytest.mark.gpu
@@ -141,13 +141,13 @@ def test_empty_batch_and_empty_plans_are_noops(gpu, use_pdl):
     none_i32 = torch.empty(0, dtype=torch.int32, device=dev)
     module.run_decode(buf, torch.empty(0, 2 * d, device=dev), torch.empty(0, d, device=dev), ape, none_i32,
                       none_i32, None)
-    empty_plan = torch.empty(0, 16, dtype=torch.uint8, device=dev)
+    empty_plan = torch.empty(0, ROW_BYTES, dtype=torch.uint8, device=dev)
     module.run_prefill(buf, torch.empty(0, 2 * d, device=dev), torch.empty(0, d, device=dev), ape, none_i32,
                        empty_plan, empty_plan, None)
     # A batch whose plans are all sentinel rows (cuda-graph padding only): nothing is written.
     inp = torch.randn(5, 2 * d, device=dev)
     out = torch.full((5, d), float("nan"), device=dev)
-    pad = torch.full((5, 16), 0xFF, dtype=torch.uint8, device=dev)
+    pad = torch.full((5, ROW_BYTES), 0xFF, dtype=torch.uint8, device=dev)
     idx = torch.tensor([1], dtype=torch.int32, device=dev)
     module.run_prefill(buf, inp, out, ape, idx, pad, pad.clone(), idx)
     torch.cuda.synchronize()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from flash_compress import reference as ref
-from flash_compress.plan_rows import CHUNK_SIZE
+from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
 from schedule import plan_with
 from test_reference import ERROR_CASES, check_plan_invariants
 
@@ -146,7 +146,7 @@ def test_errors_raise_and_write_nothing(module, case, graph):
 
 def test_more_error_cases(module):
     lens = torch.tensor([3], dtype=torch.int64)
-    plan = lambda m=3, w=16: torch.zeros(m, w, dtype=torch.uint8)  # noqa: E731
+    plan = lambda m=3, w=ROW_BYTES: torch.zeros(m, w, dtype=torch.uint8)  # noqa: E731
     bad = {
         "extend int32": (lens.int(), lens, plan(), plan()),
         "seq int32": (lens, lens.int(), plan(), plan()),
@@ -156,7 +156,7 @@ def test_more_error_cases(module):
         "plan 15 columns": (lens, lens, plan(3, 15), plan(3, 15)),
         "plan 17 columns": (lens, lens, plan(3, 17), plan(3, 17)),
         "write plan short": (lens, lens, plan(), plan(2)),
-        "transposed plan": (lens, lens, torch.zeros(16, 3, dtype=torch.uint8).t(), plan()),
+        "transposed plan": (lens, lens, torch.zeros(ROW_BYTES, 3, dtype=torch.uint8).t(), plan()),
         "3-D plan": (lens, lens, plan().reshape(3, 16, 1), plan()),
     }
     for name, args in bad.items():
@@ -170,7 +170,7 @@ def test_more_error_cases(module):
 @pytest.mark.gpu
 def test_cuda_device_lengths_raise(module, gpu):
     lens = torch.tensor([3], dtype=torch.int64)
-    plan = torch.zeros(3, 16, dtype=torch.uint8)
+    plan = torch.zeros(3, ROW_BYTES, dtype=torch.uint8)
     with pytest.raises(ERRORS):
         module.plan_online_prefill(lens.cuda(), lens.cuda(), plan, plan.clone(), False)
     with pytest.raises(ERRORS):
@@ -182,7 +182,7 @@ def test_kernels_given_cpu_tensors_raise(module):
     d = 128
     buf, inp, out = torch.zeros(4, 1, 3 * d), torch.zeros(2, 2 * d), torch.zeros(2, d)
     ape, idx = torch.zeros(CHUNK_SIZE, d), torch.zeros(2, dtype=torch.int32)
-    plan = torch.zeros(0, 16, dtype=torch.uint8)
+    plan = torch.zeros(0, ROW_BYTES, dtype=torch.uint8)
     with pytest.raises(ERRORS, match="kv_score_buffer"):
         module.run_decode(buf, inp, out, ape, idx, idx + 1, None)
     with pytest.raises(ERRORS, match="kv_score_buffer"):

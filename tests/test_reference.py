@@ -11,7 +11,7 @@ import torch
 import device_values as dv
 import oracle
 from flash_compress import reference as ref
-from flash_compress.plan_rows import CHUNK_SIZE, PADDING_ROW, decode_rows, encode_rows
+from flash_compress.plan_rows import CHUNK_SIZE, PADDING_ROW, ROW_BYTES, decode_rows, encode_rows
 from schedule import ScheduleHarness, plan_with, run_schedule
 
 
@@ -183,7 +183,7 @@ def test_decode_batch_zero_is_a_noop():
 def test_prefill_empty_plans_are_a_noop():
     buf, inp, out, ape = _tensors()
     before = buf.clone()
-    empty = torch.empty(0, 16, dtype=torch.uint8)
+    empty = torch.empty(0, ROW_BYTES, dtype=torch.uint8)
     ref.run_prefill(buf, inp[:0], out[:0], ape, torch.empty(0, dtype=torch.int32), empty, empty)
     ref.run_prefill(buf, inp, out, ape, torch.tensor([0], dtype=torch.int32), empty, empty, None)
     assert torch.equal(buf, before) and torch.isnan(out).all()
@@ -192,7 +192,7 @@ def test_prefill_empty_plans_are_a_noop():
 def test_prefill_skips_sentinel_rows():
     buf, inp, out, ape = _tensors()
     before = buf.clone()
-    pad = torch.full((4, 16), 0xFF, dtype=torch.uint8)
+    pad = torch.full((4, ROW_BYTES), 0xFF, dtype=torch.uint8)
     ref.run_prefill(buf, inp, out, ape, torch.tensor([0], dtype=torch.int32), pad, pad.clone())
     assert torch.equal(buf, before) and torch.isnan(out).all()
 
@@ -215,7 +215,7 @@ def test_prefill_skips_malformed_rows(row, which):
     buf, inp, out, ape = _tensors()
     before = buf.clone()
     bad = encode_rows([row])
-    empty = torch.empty(0, 16, dtype=torch.uint8)
+    empty = torch.empty(0, ROW_BYTES, dtype=torch.uint8)
     plans = (bad, empty) if which == "compress" else (empty, bad)
     ref.run_prefill(buf, inp, out, ape, torch.tensor([0], dtype=torch.int32), *plans)
     assert torch.equal(buf, before) and torch.isnan(out).all()
@@ -352,8 +352,8 @@ def test_planner_edge_cases(extend, seq, compress, write, graph):
     else:
         # Rows past the counts are left as they were.
         gen = torch.Generator().manual_seed(3)
-        fill_c = torch.randint(0, 256, (m, 16), dtype=torch.uint8, generator=gen)
-        fill_w = torch.randint(0, 256, (m, 16), dtype=torch.uint8, generator=gen)
+        fill_c = torch.randint(0, 256, (m, ROW_BYTES), dtype=torch.uint8, generator=gen)
+        fill_w = torch.randint(0, 256, (m, ROW_BYTES), dtype=torch.uint8, generator=gen)
         assert torch.equal(cp[len(compress) :], fill_c[len(compress) :])
         assert torch.equal(wp[len(write) :], fill_w[len(write) :])
 
@@ -386,8 +386,8 @@ def test_planner_cuda_graph_padding_is_all_ff():
 
 
 def test_planner_takes_int64_host_lengths_as_the_compiled_host_planner():
-    cp = torch.zeros(130, 16, dtype=torch.uint8)
-    wp = torch.zeros(130, 16, dtype=torch.uint8)
+    cp = torch.zeros(130, ROW_BYTES, dtype=torch.uint8)
+    wp = torch.zeros(130, ROW_BYTES, dtype=torch.uint8)
     i64 = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
     with pytest.raises(TypeError, match="extend_lens.*int64"):
         ref.plan_online_prefill(i64(130).int(), i64(200), cp, wp, False)
@@ -414,7 +414,7 @@ def _lens(*v, dtype=torch.int64):
     return torch.tensor(v, dtype=dtype)
 
 
-def _plans(m, width=16, dtype=torch.uint8):
+def _plans(m, width=ROW_BYTES, dtype=torch.uint8):
     return torch.full((m, width), 7, dtype=dtype), torch.full((m, width), 7, dtype=dtype)
 
 
@@ -431,8 +431,8 @@ ERROR_CASES = {
     "plan_int8": lambda: (_lens(3), _lens(3), *_plans(3, dtype=torch.int8)),
     "plan_int32": lambda: (_lens(3), _lens(3), *_plans(3, dtype=torch.int32)),
     "plan_1d": lambda: (_lens(3), _lens(3), torch.zeros(48, dtype=torch.uint8), torch.zeros(48, dtype=torch.uint8)),
-    "plan_not_contiguous": lambda: (_lens(3), _lens(3), torch.zeros(3, 32, dtype=torch.uint8)[:, :16],
-                                    torch.zeros(3, 32, dtype=torch.uint8)[:, :16]),
+    "plan_not_contiguous": lambda: (_lens(3), _lens(3), torch.zeros(3, 2 * ROW_BYTES, dtype=torch.uint8)[:, :ROW_BYTES],
+                                    torch.zeros(3, 2 * ROW_BYTES, dtype=torch.uint8)[:, :ROW_BYTES]),
     "lengths_2d": lambda: (_lens(3).reshape(1, 1), _lens(3).reshape(1, 1), *_plans(3)),
     "batch_mismatch": lambda: (_lens(3), _lens(3, 4), *_plans(3)),
     "seq_too_long": lambda: (_lens(3), _lens(2**32), *_plans(3)),

@@ -16,7 +16,7 @@ import torch
 import accuracy
 import oracle
 from flash_compress import reference as ref
-from flash_compress.plan_rows import CHUNK_SIZE, PADDING_ROW, decode_rows
+from flash_compress.plan_rows import CHUNK_SIZE, PADDING_ROW, ROW_BYTES, decode_rows
 from float32_model import Float32Model
 from schedule import ScheduleHarness, bf16_state_flips, bits, plan_with
 
@@ -287,7 +287,7 @@ def test_compact_with_no_compress_rows_takes_an_empty_output():
     before = buf.clone()
     ref.run_prefill_compact(buf, inp, torch.empty(0, 64), ape, I32([1]), cp, wp)
     assert not torch.equal(buf[1], before[1]) and torch.equal(buf[[0, 2, 3]], before[[0, 2, 3]])
-    empty = torch.empty(0, 16, dtype=torch.uint8)
+    empty = torch.empty(0, ROW_BYTES, dtype=torch.uint8)
     ref.run_prefill_compact(buf, inp[:0], torch.empty(0, 64), ape, I32([]), empty, empty)
 
 

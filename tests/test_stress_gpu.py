@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import oracle
-from flash_compress.plan_rows import CHUNK_SIZE
+from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
 from schedule import Request, ScheduleHarness, counts_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.stress]
@@ -207,8 +207,8 @@ class StressHarness(ScheduleHarness):
         load = np.array([r.slot for r, _, _ in batch])
         target = np.array([r.slot if s is None else s for r, _, s in batch])
         total = int(extend.sum())
-        compress_plan = torch.empty(total, 16, dtype=torch.uint8)
-        write_plan = torch.empty(total, 16, dtype=torch.uint8)
+        compress_plan = torch.empty(total, ROW_BYTES, dtype=torch.uint8)
+        write_plan = torch.empty(total, ROW_BYTES, dtype=torch.uint8)
         counts = counts_of(self.planner.plan_online_prefill(torch.tensor(extend), torch.tensor(prefix + extend),
                                                             compress_plan, write_plan, bool(use_cuda_graph)))
         if use_cuda_graph:

@@ -2,9 +2,9 @@
 
 A plan is a ``[M, 16]`` uint8 tensor of rows ``{ragged_id, batch_id, position,
 window_len}``, each a little-endian uint32. This module is the Python home of
-that format: the reference planner, the reference prefill and the torch API's
-debug checks take the chunk size, the row size, the padding value, the length
-limit, the GPU planner's error bits and the row rules from here. The
+that format: the reference planner, the reference prefill, the torch API's
+debug checks and the tests take the chunk size, the row size, the padding value,
+the length limit, the GPU planner's error bits and the row rules from here. The
 C++ twin is ``include/sgl_kernel/deepseek_v4/compress.cuh`` (the error bits:
 ``csrc/deepseek_v4/c128_plan_kernel.cuh``); ``tests/test_headers_nvcc.py``
 checks that the two agree.
