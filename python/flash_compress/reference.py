@@ -523,7 +523,7 @@ def run_verify(
     window = _tokens_per_request(rows, batch, "kv_score_input")
     num_slots = kv_score_buffer.shape[0]
     slots, lens = indices.tolist(), seq_lens.tolist()
-    live = [b for b in range(batch) if 0 <= slots[b] < num_slots and lens[b] >= window]
+    live = (_in_pool(indices, num_slots) & (seq_lens >= window)).nonzero().flatten().tolist()
     if not live:
         return
 
@@ -581,7 +581,7 @@ def run_commit(
     window = _tokens_per_request(rows, batch, "prefix_states")
     num_slots = shape[0]
     slots, accepted = indices.tolist(), accept_lens.tolist()
-    keep = [b for b in range(batch) if 1 <= accepted[b] <= window and 0 <= slots[b] < num_slots]
+    keep = (_in_pool(indices, num_slots) & (accept_lens >= 1) & (accept_lens <= window)).nonzero().flatten().tolist()
     if keep:
         chosen = prefix_states[[b * window + accepted[b] - 1 for b in keep]]
         kv_score_buffer[[slots[b] for b in keep], 0] = chosen
