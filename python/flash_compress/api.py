@@ -116,7 +116,7 @@ def _plan_on_host(
         raise ValueError(f"argument 'num_tokens': expected sum(extend_lens) = {total}, got {num_tokens}")
     pinned = device.type == "cuda"
     compress, write = plan_tensors(_dispatch.planner(load=pinned), extend, seq_lens.to("cpu", torch.int64),
-                                   use_cuda_graph, pin_memory=pinned)
+                                   use_cuda_graph, pin_memory=pinned, rows=total)
     num_compress, num_write = compress.shape[0], write.shape[0]
     if device.type != "cpu":
         compress = compress.to(device, non_blocking=True)

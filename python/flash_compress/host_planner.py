@@ -11,7 +11,7 @@ compiled planners against it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -155,14 +155,16 @@ def plan_online_prefill(
 
 
 def plan_tensors(planner: Any, extend_lens: Lengths, seq_lens: Lengths, use_cuda_graph: bool = False, *,
-                 pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 pin_memory: bool = False, rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plans a prefill on the host with ``planner`` (anything with ``plan_online_prefill``: a compiled
     module or the reference) and returns ``(compress_plan, write_plan)``, CPU uint8 tensors sliced to
     the counts it returns (``sum(extend_lens)`` rows each with ``use_cuda_graph``); ``pin_memory``
-    allocates them pinned, for a ``non_blocking`` copy to a GPU."""
+    allocates them pinned, for a ``non_blocking`` copy to a GPU. ``rows``: ``sum(extend_lens)``, where
+    the caller has it already (the planner checks it)."""
     extend = torch.as_tensor(extend_lens, dtype=torch.int64, device="cpu").contiguous()
     seq = torch.as_tensor(seq_lens, dtype=torch.int64, device="cpu").contiguous()
-    rows = int(extend.sum())
+    if rows is None:
+        rows = int(extend.sum())
     compress_plan = torch.empty((rows, ROW_BYTES), dtype=torch.uint8, pin_memory=pin_memory)
     write_plan = torch.empty((rows, ROW_BYTES), dtype=torch.uint8, pin_memory=pin_memory)
     num_compress, num_write = (int(n) for n in planner.plan_online_prefill(extend, seq, compress_plan, write_plan,
