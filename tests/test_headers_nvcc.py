@@ -82,6 +82,15 @@ def compile_alone(source: str, arch: str, tmp_path: Path,
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 
+def run_program(source: str, tmp_path: Path, stdin: str = "") -> list[tuple[int, ...]]:
+    """Compiles `source` as a host program, runs it on `stdin` and returns its output lines as ints."""
+    result = compile_alone(source, "90", tmp_path, executable=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = subprocess.run([str(tmp_path / "unit")], input=stdin, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return [tuple(int(x) for x in line.split()) for line in run.stdout.splitlines()]
+
+
 def ptxas_usage(report: str) -> dict[str, tuple[int, int]]:
     """Mangled entry-function name -> (registers, bytes of spill stores), from `--resource-usage`."""
     usage: dict[str, tuple[int, int]] = {}
@@ -208,11 +217,7 @@ def test_decode_and_verify_blocks_tile_their_requests_at_every_head_dim(tmp_path
     """A request's lanes (head_dim / 4 threads, 4 channels each) never straddle blocks and no thread is left
     over to fall onto the next block's request, at every supported head dim; a decode block is at least a
     warp; commit's threads split a row into whole pieces."""
-    result = compile_alone(LAYOUT_PROGRAM, "90", tmp_path, executable=True)
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = subprocess.run([str(tmp_path / "unit")], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    rows = [tuple(int(x) for x in line.split()) for line in run.stdout.splitlines()]
+    rows = run_program(LAYOUT_PROGRAM, tmp_path)
     assert [row[0] for row in rows] == list(range(64, 1025, 64))
     for head_dim, lanes, threads, requests, decode_max, decode_min, decode_most, commit_f32, commit_bf16 in rows:
         assert lanes == head_dim // 4
@@ -301,16 +306,12 @@ def test_the_slice_width_rule_matches_the_tests_mirror(tmp_path):
     passes, alone, beside a compress pass and with CUDA-graph padding, and must agree."""
     from schedule import prefill_pass
 
-    result = compile_alone(SLICE_WIDTH_PROGRAM, "90", tmp_path, executable=True)
-    assert result.returncode == 0, result.stdout + result.stderr
     cases = [(head_dim, rows, padding, sms, beside)
              for head_dim in (128, 256, 512, 1024) for sms in (132, 78)
              for rows in (*range(1, 300, 7), 333, 529, 593, 1024, 4096)
              for padding in (0, 1000, 400_000) for beside in (0, 1, 16, 64, 593)]
     stdin = "".join(f"{h} {r} {p} {8 * s} {b}\n" for h, r, p, s, b in cases)
-    run = subprocess.run([str(tmp_path / "unit")], input=stdin, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    compiled = [tuple(int(x) for x in line.split()) for line in run.stdout.splitlines()]
+    compiled = run_program(SLICE_WIDTH_PROGRAM, tmp_path, stdin)
     mirrored = [prefill_pass(r, h, s, prefill_pass(b, h, s) if b else None, padding_rows=p)
                 for h, r, p, s, b in cases]
     assert len(compiled) == len(cases)
