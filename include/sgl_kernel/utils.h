@@ -50,27 +50,44 @@ inline void CheckAs(const char* kind, bool cond, Args&&... args) {
   }
 }
 
+/// \brief A check's condition and the place it was written: converting to it
+/// at a call records that call's location, which lets RuntimeCheck be a plain
+/// function (as a class template with a deduction guide, `RuntimeCheck(ok);`
+/// would declare a variable named `ok`).
+struct CheckedCondition {
+  CheckedCondition(bool value, std::source_location where = std::source_location::current())
+      : value(value), where(where) {}
+  bool value;
+  std::source_location where;
+};
+
+/// \brief The first part of a panic's message, streamed, and where it was written.
+struct PanicMessage {
+  template <typename T>
+  PanicMessage(const T& first, std::source_location where = std::source_location::current())
+      : text(detail::stream_all(first)), where(where) {}
+  std::string text;
+  std::source_location where;
+};
+
 /// \brief Throws RuntimeError with file:line and the streamed `args` when `cond` is false.
 template <typename... Args>
-struct RuntimeCheck {
-  RuntimeCheck(bool cond, Args&&... args, std::source_location loc = std::source_location::current()) {
-    if (!cond) [[unlikely]] {
-      detail::throw_error("RuntimeError", detail::stream_all(std::forward<Args>(args)...), &loc);
-    }
+void RuntimeCheck(CheckedCondition cond, Args&&... args) {
+  if (!cond.value) [[unlikely]] {
+    detail::throw_error("RuntimeError", detail::stream_all(std::forward<Args>(args)...), &cond.where);
   }
-};
-template <typename... Args>
-RuntimeCheck(bool, Args&&...) -> RuntimeCheck<Args...>;
+}
 
-/// \brief Unconditionally throws RuntimeError with file:line and the streamed `args`.
+/// \brief Unconditionally throws RuntimeError with file:line and the streamed message.
 template <typename... Args>
-struct Panic {
-  [[noreturn]] Panic(Args&&... args, std::source_location loc = std::source_location::current()) {
-    detail::throw_error("RuntimeError", detail::stream_all(std::forward<Args>(args)...), &loc);
-  }
-};
-template <typename... Args>
-Panic(Args&&...) -> Panic<Args...>;
+[[noreturn]] void Panic(PanicMessage first, Args&&... rest) {
+  detail::throw_error("RuntimeError", first.text + detail::stream_all(std::forward<Args>(rest)...), &first.where);
+}
+
+/// \brief Unconditionally throws RuntimeError with file:line and no message.
+[[noreturn]] inline void Panic(std::source_location where = std::source_location::current()) {
+  detail::throw_error("RuntimeError", std::string{}, &where);
+}
 
 /// \brief `for (auto i : irange(n))` iterates 0..n-1; `irange(a, b)` iterates a..b-1.
 template <typename T>
