@@ -27,10 +27,11 @@ host<->device copies and our kernels; no torch kernel runs to report on):
    run 32-channel slices (one of the four widths ``choose_slice_width``
    picks from);
 6. ``head_dim=192``, a head dim that is not a power of two (48 lanes a
-   request in decode and verify, so blocks that are not whole warps; 3
-   slices of 64 channels), both state dtypes: a schedule with compact
-   prefills and verify + commit steps, then (float32) the device-only values
-   of step 2.
+   request in decode and verify, so blocks that are not whole warps), both
+   state dtypes: a schedule with compact prefills and verify + commit steps
+   (its passes of a few rows run 8 or 16-channel slices); then, float32, the
+   fewest requests whose passes run 64-channel slices (3 a row), as in step
+   5, and the device-only values of step 2.
 
 torch's caching allocator is off in the driver (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``),
 so every tensor is its own cudaMalloc and memcheck sees the exact bounds.
@@ -168,6 +169,15 @@ def _driver(use_pdl: bool) -> None:
         h.check_live_states()
         print(f"head_dim {ODD_HEAD_DIM} {state_dtype}: {h.stats.prefill_calls} prefill, {h.stats.decode_calls} "
               f"decode, {h.stats.verify_calls} verify calls", flush=True)
+    wide = rows_for_slice_width(ODD_HEAD_DIM, torch.cuda.get_device_properties(0).multi_processor_count)[64]
+    h = ScheduleHarness(odd_runs["float32"], head_dim=ODD_HEAD_DIM, device="cpu", seed=8, num_slots=wide + 1,
+                        max_requests=wide)
+    batch = [h.start_request() for _ in range(wide)]
+    h.prefill_step([(r, 60, None) for r in batch])
+    h.prefill_step([(r, 128, None) for r in batch])
+    h.check_live_states()
+    print(f"head_dim {ODD_HEAD_DIM}, 64-channel slices: {wide} requests, {h.stats.rows_checked} rows checked",
+          flush=True)
     _bad_values(odd_runs["float32"], ODD_HEAD_DIM)  # float32 pools: step 2's device-only values
     torch.cuda.synchronize()
     print(DRIVER_OK, flush=True)

@@ -103,7 +103,7 @@ class PrefillCall:
                 self.load_indices)
 
 
-def _state(gen: torch.Generator, num_slots: int, head_dim: int) -> torch.Tensor:
+def plausible_states(gen: torch.Generator, num_slots: int, head_dim: int) -> torch.Tensor:
     """Finite random states with a positive sum, so a merge with them is well defined."""
     buf = torch.randn(num_slots, 1, 3 * head_dim, generator=gen)
     buf[:, 0, head_dim : 2 * head_dim] = buf[:, 0, head_dim : 2 * head_dim].abs() + 0.5
@@ -117,7 +117,7 @@ def _as_i32(values) -> torch.Tensor:
 def _float_tensors(gen: torch.Generator, num_slots: int, head_dim: int, rows: int) -> dict[str, torch.Tensor]:
     """Random states and tokens, a NaN-poisoned output, a random ape."""
     return {
-        "buffer": _state(gen, num_slots, head_dim),
+        "buffer": plausible_states(gen, num_slots, head_dim),
         "inputs": torch.randn(rows, 2 * head_dim, generator=gen),
         "output": torch.full((rows, head_dim), float("nan")),
         "ape": torch.randn(CHUNK_SIZE, head_dim, generator=gen),

@@ -16,6 +16,7 @@ import torch
 import flash_compress as fc
 import oracle
 from api_adapters import ApiImpl, OpsImpl
+from device_values import plausible_states
 from flash_compress import reference as ref
 from flash_compress.plan_rows import CHUNK_SIZE, PADDING_ROW, ROW_BYTES, decode_rows
 from schedule import run_schedule
@@ -196,7 +197,8 @@ def test_decode_moves_capture_in_a_cuda_graph_and_skip_as_on_the_cpu(gpu, throug
     gen = torch.Generator().manual_seed(12)
     ape = torch.randn(CHUNK_SIZE, d, generator=gen)
     ape_dev = ape.to(DEV)
-    static_state = torch.randn(slots, 1, 3 * d, generator=gen).to(DEV)
+    # Positive sums: a merge with a negative one can cancel and magnify float32 rounding past ROW_RTOL.
+    static_state = plausible_states(gen, slots, d).to(DEV)
     static_inp = torch.empty(4, 2 * d, device=DEV)
     static_out = torch.empty(4, d, device=DEV)
     static = {name: torch.empty(4, dtype=torch.int32, device=DEV) for name in ("indices", "load", "seq")}
