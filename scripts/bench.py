@@ -139,12 +139,17 @@ def plan(module, extend_lens, seq_lens, use_cuda_graph):
     return compress_plan.cuda(), write_plan.cuda()
 
 
-def prefill_case(module, head_dim, batch, extend, random_prefix, gen, singles=0):
-    """`batch` requests of `extend` new tokens (from position 0, or after random prefixes), then
-    `singles` one-token requests after random prefixes (decode tokens riding in a prefill)."""
+def case_lengths(batch, extend, random_prefix, gen, singles=0) -> tuple[list[int], list[int]]:
+    """(prefixes, extends) of `batch` requests of `extend` new tokens (from position 0, or after random
+    prefixes), then `singles` one-token requests after random prefixes (decode tokens riding in a prefill)."""
     prefixes = torch.randint(0, 4 * CHUNK_SIZE, (batch,), generator=gen).tolist() if random_prefix else [0] * batch
     prefixes += torch.randint(1, 4 * CHUNK_SIZE, (singles,), generator=gen).tolist()
-    extends = [extend] * batch + [1] * singles
+    return prefixes, [extend] * batch + [1] * singles
+
+
+def prefill_case(module, head_dim, batch, extend, random_prefix, gen, singles=0):
+    """The tensors, exact and padded plans and bytes of a `case_lengths` case, planned by `module`."""
+    prefixes, extends = case_lengths(batch, extend, random_prefix, gen, singles)
     batch += singles
     seq_lens = [p + e for p, e in zip(prefixes, extends)]
     rows = sum(extends)

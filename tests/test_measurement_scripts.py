@@ -5,6 +5,7 @@ compiling with) the kernel file as it changes. The scripts themselves need a GPU
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 from pathlib import Path
 
@@ -87,3 +88,16 @@ def test_the_breakdown_bounds_what_balancing_would_save():
     assert result["SM-balanced end"] == pytest.approx(6.0)  # SM 0: (5 + 9 + 4) / 3; SM 1: 5.5
     assert result["all-balanced end"] == pytest.approx(23.5 / 4)
     assert result["period"] == pytest.approx(9.7)
+
+
+def test_slice_widths_prints_every_bench_case_with_a_width_and_a_grid_that_fits(capsys, monkeypatch):
+    """slice_widths.py runs bench.py's cases, planned as bench.py plans them, through the width rule's mirror."""
+    script = load_script("slice_widths")
+    monkeypatch.setattr("sys.argv", ["slice_widths.py", "--head-dim", "512", "--sms", "132"])
+    assert script.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("head_dim 512, 1056 resident blocks")
+    assert [line.split()[0] for line in lines[1:]] == [name.split()[0] for name, *_ in script.bench.PREFILL_CASES]
+    for line in lines[1:]:
+        passes = re.findall(r"x (\d+): (\d+) blocks", line)
+        assert passes and all(int(w) in (8, 16, 32, 64) and 0 < int(b) <= 1056 for w, b in passes), line
