@@ -422,7 +422,7 @@ def _tensor_cases(function: str, arg: Arg, valid: torch.Tensor) -> list[Case]:
 
     add("non_contiguous", KEEP, layout="non_contiguous", names=here,
         fragments=("expected a contiguous tensor", "got a non-contiguous view"))
-    if arg.dtype in (torch.float32, torch.uint8) and valid.numel():  # the vector-loaded tensors
+    if arg.dtype in (torch.float32, torch.bfloat16, torch.uint8) and valid.numel():  # the vector-loaded tensors
         align = 16
         offset = valid.element_size()
         add("misaligned", KEEP, layout="misaligned", names=here,
