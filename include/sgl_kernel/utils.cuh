@@ -27,7 +27,9 @@ SGL_DEVICE void PDLWaitPrimary() {
 }
 
 /// \brief Lets the next PDL kernel in the stream start launching. Safe at any
-/// point: that kernel still waits for this one to complete before it reads.
+/// point for a next kernel that waits (PDLWaitPrimary) before it reads or
+/// writes memory this one uses; one that writes before its wait needs this
+/// called only once this kernel's inputs are consumed (docs/SPEC.md section 5).
 template <bool kUsePDL>
 SGL_DEVICE void PDLTriggerSecondary() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
