@@ -123,6 +123,19 @@ def test_lengths_near_uint32_limit_match_reference(module):
     )
 
 
+@pytest.mark.parametrize("flag", [0, 1, 2, True])
+def test_an_int_use_cuda_graph_is_its_truth_value_in_both_planners(module, flag):
+    """tvm-ffi hands the export an int as a bool; the reference takes it the same way."""
+    counts = []
+    for impl in (module, ref):
+        compress, write = (torch.zeros(5, ROW_BYTES, dtype=torch.uint8) for _ in range(2))
+        result = impl.plan_online_prefill(torch.tensor([3, 2]), torch.tensor([5, 2]), compress, write, flag)
+        counts.append((tuple(int(x) for x in result), compress, write))
+    (got, got_c, got_w), (want, want_c, want_w) = counts
+    assert got == want == ((5, 5) if flag else (0, 2))
+    assert torch.equal(got_c, want_c) and torch.equal(got_w, want_w)
+
+
 @pytest.mark.parametrize("graph", [False, True])
 def test_random_cases_match_reference(module, graph):
     rng = random.Random(1234)

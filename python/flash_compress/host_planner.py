@@ -120,8 +120,10 @@ def plan_online_prefill(
             f"argument 'write_plan': expected {compress_plan.shape[0]} rows like compress_plan, "
             f"got {write_plan.shape[0]}"
         )
-    if not isinstance(use_cuda_graph, (bool, np.bool_)):
+    # The compiled export takes an int as its truth value (tvm-ffi's conversion), so this does too.
+    if not isinstance(use_cuda_graph, (bool, int, np.bool_)):
         raise TypeError(f"argument 'use_cuda_graph': expected a bool, got {type(use_cuda_graph).__name__}")
+    use_cuda_graph = bool(use_cuda_graph)
     total = 0
     for b, (e, s) in enumerate(zip(extend, seq)):
         if not 0 < e <= s:
