@@ -16,6 +16,7 @@ import torch
 import flash_compress as fc
 import oracle
 from api_adapters import ApiImpl, OpsImpl
+from cuda_graphs import capture
 from device_values import plausible_states
 from flash_compress import reference as ref
 from flash_compress.plan_rows import CHUNK_SIZE, PADDING_ROW, ROW_BYTES, decode_rows
@@ -162,16 +163,11 @@ def test_cuda_graph_replay_with_new_inputs_and_plans_equals_eager(gpu, through_o
     # (prefix, extend) per step; each step's decode adds one token, so the next prefix is seq + 1.
     steps = [([0, 0], [250, 150]), ([251, 151], [10, 390]), ([262, 542], [395, 5]), ([658, 548], [200, 200])]
     load_step(*steps[0])
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):  # loads the variant and warms up outside the capture
-        run(static_state.clone(), static_inp, static_c, static_w, static_dec, static_seq, static_out.clone(),
-            static_dec_out.clone())
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
     captured_state = static_state.clone()
-    with torch.cuda.graph(graph):
-        run(static_state, static_inp, static_c, static_w, static_dec, static_seq, static_out, static_dec_out)
+    graph, _ = capture(  # the warm-up runs on copies of what the replays write
+        lambda: run(static_state, static_inp, static_c, static_w, static_dec, static_seq, static_out, static_dec_out),
+        warm_up=lambda: run(static_state.clone(), static_inp, static_c, static_w, static_dec, static_seq,
+                            static_out.clone(), static_dec_out.clone()))
     static_state.copy_(captured_state)  # capture does not run the kernels, but be sure
 
     eager_state = static_state.clone()
@@ -223,14 +219,8 @@ def test_decode_moves_capture_in_a_cuda_graph_and_skip_as_on_the_cpu(gpu, throug
         static_out.fill_(float("nan"))
 
     load_step(steps[0])
-    warm = torch.cuda.Stream()
-    warm.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(warm):  # loads the variant outside the capture
-        run(static_state.clone(), static_out.clone())
-    torch.cuda.current_stream().wait_stream(warm)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run(static_state, static_out)
+    graph, _ = capture(lambda: run(static_state, static_out),
+                       warm_up=lambda: run(static_state.clone(), static_out.clone()))
     for k, step in enumerate(steps):
         load_step(step)
         before = static_state.cpu()

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import oracle
+from cuda_graphs import capture
 from flash_compress import reference as ref
 from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE, ROW_BYTES, PlanError
 from schedule import counts_of, plan_with
@@ -333,19 +334,6 @@ def random_states(gen: torch.Generator, slots: int, d: int) -> torch.Tensor:
     return torch.cat([m, s, kv], dim=2)
 
 
-def capture(step):
-    """Warms `step` up on a side stream, then captures it in a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("use_pdl", [False, True], ids=["pdl0", "pdl1"])
 def test_graph_replays_plan_and_prefill_with_new_lengths(gpu, use_pdl):
@@ -372,7 +360,7 @@ def test_graph_replays_plan_and_prefill_with_new_lengths(gpu, use_pdl):
 
     extend_lens.fill_(m // batch)
     seq_lens.fill_(m // batch)
-    graph = capture(step)
+    graph, _ = capture(step)
 
     replays = 0
     for rep in range(8):
@@ -434,7 +422,7 @@ def test_graph_replays_the_planner_alone_at_large_batch(gpu):
     compress = torch.empty(m, ROW_BYTES, dtype=torch.uint8, device="cuda")
     write = torch.empty_like(compress)
     counts = torch.zeros(3, dtype=torch.int32, device="cuda")
-    graph = capture(lambda: module.plan_online_prefill_counted(extend_lens, seq_lens, compress, write, True, counts))
+    graph, _ = capture(lambda: module.plan_online_prefill_counted(extend_lens, seq_lens, compress, write, True, counts))
     for _ in range(3):
         extend = random_partition(rng, m, batch)
         seq = [e + rng.randint(0, 10**6) for e in extend]

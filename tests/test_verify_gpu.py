@@ -28,6 +28,7 @@ import torch
 
 import flash_compress as fc
 import oracle
+from cuda_graphs import capture
 from device_runner import DeviceRunner
 from flash_compress import reference as ref
 from flash_compress.c128_online import HEAD_DIMS_TESTED
@@ -311,15 +312,8 @@ def test_a_whole_verify_step_captured_in_one_cuda_graph(gpu, state_dtype):
         return accept
 
     saved = pool.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up: loads the variant, runs every op once outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    pool.copy_(saved)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        accept = step()
+    # The warm-up runs every op once outside the capture, then puts the pool back.
+    graph, accept = capture(step, warm_up=lambda: (step(), pool.copy_(saved)))
 
     gen = torch.Generator().manual_seed(68)
     inf = float("inf")
