@@ -125,17 +125,24 @@ def test_the_header_library_surface_compiles(tmp_path):
 
 # RuntimeCheck and Panic in every form the contract allows, one call a line.
 CHECKS_PROGRAM = """#include <sgl_kernel/utils.h>
+#include <atomic>
 #include <cstdio>
+#include <vector>
+struct Flag { bool set; operator bool() const { return set; } };
 template <class F> void report(F f) {
   try { f(); std::printf("no error\\n"); }
   catch (const tvm::ffi::Error& e) { std::printf("%s|%s\\n", e.kind().c_str(), e.message().c_str()); }
 }
 int main() {
   bool ok = false; const int* null = nullptr; std::string text = "a message";
+  std::atomic<bool> atomic{false}; std::vector<bool> bits(1, false); Flag flag{false};
   report([&] { host::RuntimeCheck(ok); });
   report([&] { host::RuntimeCheck((ok), "x=", 3); });
   report([&] { host::RuntimeCheck(null, "pointer"); });
   report([&] { host::RuntimeCheck(!ok, "never"); });
+  report([&] { host::RuntimeCheck(atomic, "atomic"); });
+  report([&] { host::RuntimeCheck(bits[0], "bit"); });
+  report([&] { host::RuntimeCheck(flag, "flag"); });
   report([&] { host::Panic(text); });
   report([&] { host::Panic("n=", 5, ' ', 2.5); });
   report([&] { host::Panic(); });
@@ -148,7 +155,7 @@ CHECKS_FIRST_LINE = next(n for n, line in enumerate(CHECKS_PROGRAM.splitlines(),
 @pytest.mark.nvcc
 def test_runtime_check_and_panic_take_every_argument_form_and_name_the_callers_line(tmp_path):
     """A lone condition or message compiles (as class templates, `RuntimeCheck(ok);` declared a variable),
-    and each error names the line of its call, not the header's."""
+    so does any condition a `bool` parameter takes, and each error names the line of its call."""
     import tvm_ffi.libinfo
 
     lib_dir = Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent
@@ -157,10 +164,11 @@ def test_runtime_check_and_panic_take_every_argument_form_and_name_the_callers_l
     assert result.returncode == 0, result.stdout + result.stderr
     run = subprocess.run([str(tmp_path / "unit")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
-    where = [f" [{tmp_path / 'unit.cu'}:{CHECKS_FIRST_LINE + i}]" for i in range(7)]
+    where = [f" [{tmp_path / 'unit.cu'}:{CHECKS_FIRST_LINE + i}]" for i in range(10)]
     assert run.stdout.splitlines() == [
         "RuntimeError|" + where[0], "RuntimeError|x=3" + where[1], "RuntimeError|pointer" + where[2], "no error",
-        "RuntimeError|a message" + where[4], "RuntimeError|n=5 2.5" + where[5], "RuntimeError|" + where[6]]
+        "RuntimeError|atomic" + where[4], "RuntimeError|bit" + where[5], "RuntimeError|flag" + where[6],
+        "RuntimeError|a message" + where[7], "RuntimeError|n=5 2.5" + where[8], "RuntimeError|" + where[9]]
 
 
 @needs_nvcc

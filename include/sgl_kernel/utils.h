@@ -7,6 +7,7 @@
 #include <source_location>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace host {
@@ -55,8 +56,12 @@ inline void CheckAs(const char* kind, bool cond, Args&&... args) {
 /// function (as a class template with a deduction guide, `RuntimeCheck(ok);`
 /// would declare a variable named `ok`).
 struct CheckedCondition {
-  CheckedCondition(bool value, std::source_location where = std::source_location::current())
-      : value(value), where(where) {}
+  /// Any condition a `bool` parameter would take (a pointer, an integer, a
+  /// class with an implicit `operator bool`): one conversion, made here.
+  template <typename Condition>
+    requires std::is_convertible_v<const Condition&, bool>
+  CheckedCondition(const Condition& value, std::source_location where = std::source_location::current())
+      : value(static_cast<bool>(value)), where(where) {}
   bool value;
   std::source_location where;
 };
