@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -123,9 +124,10 @@ def test_lengths_near_uint32_limit_match_reference(module):
     )
 
 
-@pytest.mark.parametrize("flag", [0, 1, 2, True])
+@pytest.mark.parametrize("flag", [0, 1, 2, -1, 2**63 - 1, True, np.int64(1), np.int32(0)])
 def test_an_int_use_cuda_graph_is_its_truth_value_in_both_planners(module, flag):
-    """tvm-ffi hands the export an int as a bool; the reference takes it the same way."""
+    """tvm-ffi hands the export an integer (Python or numpy, int64-sized) as a bool; the reference takes
+    it the same way."""
     counts = []
     for impl in (module, ref):
         compress, write = (torch.zeros(5, ROW_BYTES, dtype=torch.uint8) for _ in range(2))
@@ -134,6 +136,15 @@ def test_an_int_use_cuda_graph_is_its_truth_value_in_both_planners(module, flag)
     (got, got_c, got_w), (want, want_c, want_w) = counts
     assert got == want == ((5, 5) if flag else (0, 2))
     assert torch.equal(got_c, want_c) and torch.equal(got_w, want_w)
+
+
+@pytest.mark.parametrize("flag", [np.bool_(True), 1.0, None, "yes", 2**63], ids=repr)
+def test_a_use_cuda_graph_tvm_ffi_refuses_is_refused_by_both_planners(module, flag):
+    for impl in (module, ref):
+        compress, write = (torch.zeros(5, ROW_BYTES, dtype=torch.uint8) for _ in range(2))
+        with pytest.raises((TypeError, OverflowError)):  # tvm-ffi 0.1.4 raises OverflowError for 2**63
+            impl.plan_online_prefill(torch.tensor([3, 2]), torch.tensor([5, 2]), compress, write, flag)
+        assert not compress.any() and not write.any()
 
 
 @pytest.mark.parametrize("graph", [False, True])

@@ -81,6 +81,15 @@ def _host_lengths(lengths: object, name: str) -> list[int]:
     return [int(x) for x in lengths.tolist()]
 
 
+def _export_bool(value: object, name: str) -> bool:
+    """A ``bool`` argument as tvm-ffi hands one to the compiled export: a bool, or an integer (Python or
+    numpy) that fits an int64, taken as its truth value; anything else (a float, a numpy bool, None) is
+    a TypeError naming the argument."""
+    if isinstance(value, (bool, np.integer)) or (isinstance(value, int) and -(2**63) <= value < 2**63):
+        return bool(value)
+    raise TypeError(f"argument '{name}': expected a bool, got {type(value).__name__}")
+
+
 def plan_online_prefill(
     extend_lens: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -120,10 +129,7 @@ def plan_online_prefill(
             f"argument 'write_plan': expected {compress_plan.shape[0]} rows like compress_plan, "
             f"got {write_plan.shape[0]}"
         )
-    # The compiled export takes an int as its truth value (tvm-ffi's conversion), so this does too.
-    if not isinstance(use_cuda_graph, (bool, int, np.bool_)):
-        raise TypeError(f"argument 'use_cuda_graph': expected a bool, got {type(use_cuda_graph).__name__}")
-    use_cuda_graph = bool(use_cuda_graph)
+    use_cuda_graph = _export_bool(use_cuda_graph, "use_cuda_graph")
     total = 0
     for b, (e, s) in enumerate(zip(extend, seq)):
         if not 0 < e <= s:
