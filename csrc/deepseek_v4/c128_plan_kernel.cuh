@@ -360,7 +360,10 @@ __global__ void __launch_bounds__(kPlanThreads)
     if (tile == 0) first_tile = scan;
     total = scan.end;
   }
-  device::PDLTriggerSecondary<kUsePDL>();
+  // The next kernel may launch once the lengths are consumed (docs/SPEC.md
+  // section 5): now for a one-tile batch, whose rows come from the scan it
+  // keeps; after pass 2, which reads them again, for a larger one.
+  if (num_tiles == 1) device::PDLTriggerSecondary<kUsePDL>();
 
   uint32_t errors = total.errors;
   if (total.tokens != params.num_rows) errors |= kPlanErrorSumMismatch;
@@ -382,6 +385,7 @@ __global__ void __launch_bounds__(kPlanThreads)
     write_tile_rows(params, tile, scan, carry, requests);
     carry = scan.end;
   }
+  device::PDLTriggerSecondary<kUsePDL>();
 }
 
 }  // namespace flash_compress::c128
