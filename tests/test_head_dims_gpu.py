@@ -4,11 +4,12 @@ A variant builds for any multiple of 64 in [64, 1024] (``is_supported_head_dim``
 the head dim is how threads map onto channels: decode and verify give a request ``head_dim / 4``
 lanes, which is under a warp at 64, not a power of two at 192 and 320 (so bf16 decode does not run
 at a full SM of threads there), and 256 (a whole block) at 1024; a prefill pass splits the channels
-into 1 to 16 slices of 64, 32, 16 or 8. One mixed schedule per (head_dim, state dtype), PDL on:
+into 1 to 128 slices of 64, 32, 16 or 8. One mixed schedule per (head_dim, state dtype), PDL on:
 prefills (exact, CUDA-graph and compact plans, slot moves), decode steps and speculative verify +
 commit steps, every row and state against the float64 oracle and, step by step, against the
 reference that emulates the pool's stores (``tests/schedule.py``). Its passes are a few rows, so they
-run 8- or 16-channel slices; a second test gives each head dim the wide ones.
+run 8- or 16-channel slices (and one 32-channel write pass at 1024); a second test gives each head dim
+the fewest requests whose passes run 32 and 64.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def test_mixed_schedule_with_verify_steps(variants, head_dim, state_dtype):
 @pytest.mark.parametrize("state_dtype", list(STATE_DTYPES))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_32_and_64_channel_slices(variants, head_dim, state_dtype):
-    """The fewest requests whose passes run 32 and then 64-channel slices (2 to 16 slices a row here):
+    """The fewest requests whose passes run 32 and then 64-channel slices (1 to 32 slices a row here):
     a write-only step of them all, then 128 tokens for the 32-channel count and for all, one compress
     row each (the mirror ``prefill_pass`` says which width runs) and a write row; against the oracle."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
