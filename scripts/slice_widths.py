@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """The slice widths and grids the prefill passes pick for bench.py's cases, on the CPU.
 
-    python scripts/slice_widths.py [--head-dim 128 256 512] [--sms 132]
+    python scripts/slice_widths.py [--head-dim 128 256 512] [--sms 132] [--shapes]
 
-Plans each of ``bench.PREFILL_CASES`` as ``bench.py`` does (same lengths, same seed, exact plans)
-and prints, per pass, the width it runs, its grid, its chain (rounds of dependent loads of its
+Plans each of ``bench.PREFILL_CASES`` (with ``--shapes``, ``bench_shapes.SHAPES``) as ``bench.py``
+does (same lengths, same seed, exact plans) and prints, per pass, the width it runs, its grid, its chain (rounds of dependent loads of its
 busiest warp, every segment taken as a full chunk) and whether the write pass's grid fits in the
 slots the compress pass's leaves free, so that it runs beside it, or must wait for its blocks to
 finish. The rule is ``choose_slice_width`` (``csrc/deepseek_v4/c128_slice_width.cuh``) through its
@@ -32,21 +32,22 @@ from schedule import prefill_pass  # noqa: E402
 BLOCKS_PER_SM = 8
 
 
-def case_rows() -> list[tuple[str, int, int]]:
-    """(case, compress rows, write rows) of each bench.py prefill case, with bench.run's seed and order."""
+def case_rows(cases: list[tuple]) -> list[tuple[str, int, int]]:
+    """(case, compress rows, write rows) of each of ``cases`` (``bench.PREFILL_CASES``'s form), with
+    bench.run's seed and order."""
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for name, batch, extend, random_prefix, singles in bench.PREFILL_CASES:
+    for name, batch, extend, random_prefix, singles in cases:
         prefixes, extends = bench.case_lengths(batch, extend, random_prefix, gen, singles)
         compress, write = plan_segments(extends, [p + e for p, e in zip(prefixes, extends)])
         rows.append((name, len(compress), len(write)))
     return rows
 
 
-def describe(head_dim: int, sms: int) -> list[str]:
+def describe(head_dim: int, sms: int, cases: list[tuple]) -> list[str]:
     resident = BLOCKS_PER_SM * sms
     lines = [f"head_dim {head_dim}, {resident} resident blocks: rows x slice width, grid, chain"]
-    for name, compress_rows, write_rows in case_rows():
+    for name, compress_rows, write_rows in case_rows(cases):
         compress = prefill_pass(compress_rows, head_dim, sms) if compress_rows else None
         line = f"  {name:<22}"
         if compress:
@@ -63,9 +64,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, nargs="+", default=list(HEAD_DIMS_TESTED))
     parser.add_argument("--sms", type=int, default=132)
+    parser.add_argument("--shapes", action="store_true", help="bench_shapes.py's 16 shapes instead of bench.py's")
     args = parser.parse_args()
+    if args.shapes:
+        from bench_shapes import SHAPES as cases
+    else:
+        cases = bench.PREFILL_CASES
     for head_dim in args.head_dim:
-        print("\n".join(describe(head_dim, args.sms)))
+        print("\n".join(describe(head_dim, args.sms, cases)))
     return 0
 
 
