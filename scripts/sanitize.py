@@ -94,6 +94,23 @@ def _bad_values(run, head_dim: int) -> None:
         dv.check_against_reference(call, buffer, output, f"head_dim {head_dim} bad prefill {seed}")
 
 
+def _slice_width_steps(run, head_dim: int, width: int, seed: int) -> None:
+    """The fewest requests whose passes run `width`-channel slices: one write row each, then one
+    compress and one write row each, against the oracle."""
+    import torch
+
+    from schedule import ScheduleHarness, rows_for_slice_width
+
+    count = rows_for_slice_width(head_dim, torch.cuda.get_device_properties(0).multi_processor_count)[width]
+    h = ScheduleHarness(run, head_dim=head_dim, device="cpu", seed=seed, num_slots=count + 1, max_requests=count)
+    batch = [h.start_request() for _ in range(count)]
+    h.prefill_step([(r, 60, None) for r in batch])
+    h.prefill_step([(r, 128, None) for r in batch])
+    h.check_live_states()
+    print(f"head_dim {head_dim}, {width}-channel slices: {count} requests, {h.stats.rows_checked} rows checked",
+          flush=True)
+
+
 def _driver(use_pdl: bool) -> None:
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "python")]
     import torch
@@ -101,7 +118,7 @@ def _driver(use_pdl: bool) -> None:
     import device_values as dv
     import flash_compress
     from device_runner import DeviceRunner
-    from schedule import ScheduleHarness, rows_for_slice_width
+    from schedule import ScheduleHarness
 
     module = flash_compress.load_module(head_dim=HEAD_DIM, use_pdl=use_pdl)
     run = DeviceRunner(module)  # no guard zones: exact allocation bounds for memcheck
@@ -148,14 +165,8 @@ def _driver(use_pdl: bool) -> None:
         print(f"{dtype}: {h.stats.prefill_calls} prefill ({h.stats.compact_calls} compact), "
               f"{h.stats.decode_calls} decode calls, verify steps done", flush=True)
 
-    # 5. 32-channel slices: one write row per request, then one compress and one write row each.
-    mid = rows_for_slice_width(HEAD_DIM, torch.cuda.get_device_properties(0).multi_processor_count)[32]
-    h = ScheduleHarness(run, head_dim=HEAD_DIM, device="cpu", seed=6, num_slots=mid + 1, max_requests=mid)
-    batch = [h.start_request() for _ in range(mid)]
-    h.prefill_step([(r, 60, None) for r in batch])
-    h.prefill_step([(r, 128, None) for r in batch])
-    h.check_live_states()
-    print(f"32-channel slices: {mid} requests, {h.stats.rows_checked} rows checked", flush=True)
+    # 5. 32-channel slices.
+    _slice_width_steps(run, HEAD_DIM, 32, seed=6)
 
     # 6. A head dim that is not a power of two, both state dtypes.
     odd_runs = {state_dtype: DeviceRunner(flash_compress.load_module(head_dim=ODD_HEAD_DIM, use_pdl=use_pdl,
@@ -169,15 +180,7 @@ def _driver(use_pdl: bool) -> None:
         h.check_live_states()
         print(f"head_dim {ODD_HEAD_DIM} {state_dtype}: {h.stats.prefill_calls} prefill, {h.stats.decode_calls} "
               f"decode, {h.stats.verify_calls} verify calls", flush=True)
-    wide = rows_for_slice_width(ODD_HEAD_DIM, torch.cuda.get_device_properties(0).multi_processor_count)[64]
-    h = ScheduleHarness(odd_runs["float32"], head_dim=ODD_HEAD_DIM, device="cpu", seed=8, num_slots=wide + 1,
-                        max_requests=wide)
-    batch = [h.start_request() for _ in range(wide)]
-    h.prefill_step([(r, 60, None) for r in batch])
-    h.prefill_step([(r, 128, None) for r in batch])
-    h.check_live_states()
-    print(f"head_dim {ODD_HEAD_DIM}, 64-channel slices: {wide} requests, {h.stats.rows_checked} rows checked",
-          flush=True)
+    _slice_width_steps(odd_runs["float32"], ODD_HEAD_DIM, 64, seed=8)
     _bad_values(odd_runs["float32"], ODD_HEAD_DIM)  # float32 pools: step 2's device-only values
     torch.cuda.synchronize()
     print(DRIVER_OK, flush=True)
