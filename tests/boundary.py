@@ -43,15 +43,19 @@ NUM_SLOTS = 5
 DL_CPU, DL_CUDA, DL_CUDA_HOST = 1, 2, 3
 
 __all__ = [
+    "APART_ORDER",
     "Arg",
     "CHECK_ORDER",
     "Case",
     "FUNCTIONS",
     "HEAD_DIM",
     "STATE_ARGS",
+    "WRITTEN",
     "all_cases",
     "call",
+    "overlapping_pairs",
     "relabel",
+    "sharing_memory",
     "valid_values",
 ]
 
@@ -183,6 +187,23 @@ CHECK_ORDER: dict[str, tuple[str, ...]] = {
                    "prefix_states"),
     "run_commit": ("kv_score_buffer", "prefix_states", "indices", "accept_lens"),
     "plan_online_prefill": ("extend_lens", "seq_lens", "compress_plan", "write_plan"),
+}
+
+#: The tensors each function writes (docs/SPEC.md sections 3, 9 and 10); it only reads the others.
+WRITTEN: dict[str, tuple[str, ...]] = {
+    "run_decode": ("kv_score_buffer", "kv_compressed_output"),
+    "run_prefill": ("kv_score_buffer", "kv_compressed_output"),
+    "run_prefill_compact": ("kv_score_buffer", "kv_compressed_output"),
+    "run_verify": ("kv_compressed_output", "prefix_states"),
+    "run_commit": ("kv_score_buffer",),
+    "plan_online_prefill": ("compress_plan", "write_plan"),
+}
+
+#: The order the exports compare arguments' memory (after every other check): of two that overlap, the
+#: later one is named.
+APART_ORDER: dict[str, tuple[str, ...]] = {
+    **CHECK_ORDER,
+    "run_prefill_compact": CHECK_ORDER["run_prefill"],
 }
 
 # A prefill of 3 requests whose plans have compress and write rows.
@@ -344,6 +365,28 @@ def call(module, case: Optional[Case], function: str, values: dict[str, Any], re
             value = _label(value, placement, arg, real_gpu)
         args.append(value)
     return getattr(module, function)(*args), placed
+
+
+def overlapping_pairs(function: str) -> list[tuple[str, str]]:
+    """Every ``(earlier, later)`` pair of tensor arguments, in ``APART_ORDER``, of which the call writes one or
+    both: the pairs that must not share memory."""
+    order = APART_ORDER[function]
+    return [(earlier, later) for j, later in enumerate(order) for earlier in order[:j]
+            if earlier in WRITTEN[function] or later in WRITTEN[function]]
+
+
+def sharing_memory(values: dict[str, Any], first: str, second: str, device: str = "cpu") -> dict[str, Any]:
+    """``values`` with ``first`` and ``second`` replaced by views of one buffer on ``device``, both beginning at
+    its first byte (so they overlap), ``second``'s values written last; every other value as it was."""
+    a, b = values[first], values[second]
+    buffer = torch.empty(max(a.numel() * a.element_size(), b.numel() * b.element_size()), dtype=torch.uint8,
+                         device=device)
+    shared = dict(values)
+    for name, value in ((first, a), (second, b)):
+        view = buffer[: value.numel() * value.element_size()].view(value.dtype).view(value.shape)
+        view.copy_(value)
+        shared[name] = view
+    return shared
 
 
 # ---------------------------------------------------------------------------

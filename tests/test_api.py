@@ -108,6 +108,11 @@ def test_plan_prefill_empty_batch():
         ([5], [0], {}, ValueError, "extend_lens"),
         ([5, 6], [5], {}, ValueError, "seq_lens"),  # shapes differ
         ([5], [5], {"num_tokens": 4}, ValueError, "num_tokens"),
+        # Lengths no plan can be sized for are refused before the plans are allocated.
+        ([5, 5], [-1, 3], {}, ValueError, r"'extend_lens': expected 0 < extend_lens\[0\]"),
+        ([2**31, 2**31], [2**31, 2**31], {}, ValueError, r"'extend_lens': expected a sum <= 4294967294"),
+        ([2**33], [2**33], {}, ValueError, r"'seq_lens': expected seq_lens\[0\] <= 4294967294"),
+        ([2**62, 2**62], [2**62, 2**62], {}, ValueError, r"'seq_lens': expected seq_lens\[0\] <= 4294967294"),
     ],
 )
 def test_plan_prefill_rejects_bad_lengths_naming_the_argument(seq, extend, kwargs, error, words):
@@ -122,6 +127,19 @@ def test_plan_prefill_rejects_bad_tensors_naming_the_argument():
         fc.plan_prefill(torch.tensor([5]), [5], device="cpu")
     with pytest.raises(ValueError, match="'extend_lens'.*1-D"):
         fc.plan_prefill(torch.tensor([5]), torch.tensor([[5]]), device="cpu")
+    with pytest.raises(TypeError, match="argument 'use_cuda_graph': expected a bool, got str"):
+        fc.plan_prefill(torch.tensor([5]), torch.tensor([5]), device="cpu", use_cuda_graph="no")
+    with pytest.raises(TypeError, match="argument 'device': expected a torch.device or a device string, got NoneType"):
+        fc.plan_prefill(torch.tensor([5]), torch.tensor([5]), device=None)
+
+
+def test_prefill_takes_compact_only_as_a_bool():
+    """A string is not taken for its truth value: compact="no" would return the compact rows."""
+    buf, ape, gen = state_pool(slots=2)
+    plan = fc.plan_prefill(torch.tensor([130]), torch.tensor([130]), device="cpu")
+    with pytest.raises(TypeError, match="argument 'compact': expected a bool, got str"):
+        fc.prefill(buf, torch.randn(130, 2 * D, generator=gen), ape, torch.tensor([0], dtype=torch.int32), plan,
+                   compact="no")
 
 
 def test_prefill_plan_is_frozen():
@@ -239,6 +257,12 @@ def test_decode_move_arguments_are_checked_before_the_pool_is_touched():
         fc.decode(buf, inp[:, :D], ape, i32(0, 1), i32(3, 3), load_indices=i32(2, 3))
     with pytest.raises(ValueError, match="'out'.*2 rows like indices"):
         fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=i32(2, 3), out=torch.zeros(3, D))
+    # The move writes the pool before the kernel's own check of what it writes could see it.
+    in_pool = buf.view(-1)[: 2 * D].view(2, D)
+    with pytest.raises(ValueError, match="argument 'out': expected memory apart from 'kv_score_buffer'"):
+        fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=i32(2, 3), out=in_pool)
+    with pytest.raises(TypeError, match="argument 'out': expected a torch.Tensor, got list"):
+        fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=i32(2, 3), out=[[0.0] * D] * 2)
     assert torch.equal(buf, before)
 
 

@@ -122,6 +122,97 @@ def test_refused_kernel_call_writes_nothing_on_gpu(gpu, case):
             assert torch.equal(cuda[name].view(torch.int32), old.view(torch.int32)), f"{case.id}: {name} written"
 
 
+OVERLAPS = [(function, earlier, later) for function in boundary.FUNCTIONS
+            for earlier, later in boundary.overlapping_pairs(function)]
+
+
+def _overlap_message_ok(message: str, function: str, earlier: str, later: str) -> None:
+    written = boundary.WRITTEN[function]
+    writes = "both" if earlier in written and later in written else f"'{later if later in written else earlier}'"
+    want = (f"argument '{later}': expected memory apart from '{earlier}' (the call writes {writes}), "
+            "got a tensor that overlaps it")
+    assert message == want, f"{function} {earlier}/{later}: {message!r}, want {want!r}"
+
+
+def _call_sharing(run, function: str, earlier: str, later: str, state_dtype: torch.dtype, real_gpu: bool):
+    """Calls ``run(values)`` with ``earlier`` and ``later`` sharing memory (on the device where they live);
+    returns the message of the ValueError it must raise, after checking that nothing was written."""
+    values = boundary.valid_values(state_dtype)[function]
+    on_gpu = {a.name: a.on_gpu for a in boundary.FUNCTIONS[function]}
+    device = "cuda" if real_gpu and on_gpu[earlier] else "cpu"
+    if real_gpu:
+        values = {name: v.to(device) if isinstance(v, torch.Tensor) and on_gpu[name] else v
+                  for name, v in values.items()}
+    values = boundary.sharing_memory(values, earlier, later, device)
+    before = {name: v.clone() for name, v in values.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError) as caught:
+        run(values)
+    if real_gpu:
+        torch.cuda.synchronize()
+    for name, old in before.items():
+        assert torch.equal(values[name].view(torch.uint8), old.view(torch.uint8)), f"{name} written before the error"
+    return str(caught.value)
+
+
+# Both variants' kernels; the planner, which does not depend on the state dtype, once.
+_OVERLAP_CASES = [pytest.param(*overlap, dtype, id="-".join((boundary.dtype_name(dtype), *overlap)))
+                  for dtype in (torch.float32, torch.bfloat16) for overlap in OVERLAPS
+                  if dtype == torch.float32 or overlap[0] != "plan_online_prefill"]
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("function, earlier, later, state_dtype", _OVERLAP_CASES)
+def test_arguments_sharing_written_memory_are_refused(function, earlier, later, state_dtype):
+    """A call that writes one of two arguments whose memory overlaps would read what it writes, or store
+    one result over another: refused before any launch, naming both."""
+    module = variant(state_dtype)
+    message = _call_sharing(lambda values: boundary.call(module, None, function, values, REAL_GPU),
+                            function, earlier, later, state_dtype, REAL_GPU)
+    _overlap_message_ok(message, function, earlier, later)
+
+
+@pytest.mark.parametrize("function, earlier, later", OVERLAPS, ids=["-".join(o) for o in OVERLAPS])
+def test_reference_refuses_arguments_sharing_written_memory(function, earlier, later):
+    """The reference refuses what the exports refuse, with the same message."""
+    def run(values):
+        getattr(ref, function)(*(values[a.name] for a in boundary.FUNCTIONS[function]))
+    _overlap_message_ok(_call_sharing(run, function, earlier, later, torch.float32, False), function, earlier, later)
+
+
+@pytest.mark.nvcc
+def test_arguments_only_read_may_share_memory(module):
+    """Two read-only arguments may be one tensor: a fresh prefill's lengths, a prefill's slots."""
+    lengths = torch.tensor([3, 2], dtype=torch.int64)
+    plans = [torch.zeros(5, ROW_BYTES, dtype=torch.uint8) for _ in range(2)]
+    assert tuple(int(x) for x in module.plan_online_prefill(lengths, lengths, *plans, False)) == (0, 2)
+    assert ref.plan_online_prefill(lengths, lengths, *[p.clone() for p in plans], False) == (0, 2)
+    values = boundary.valid_values()["run_prefill"]
+    values["load_indices"] = values["indices"]
+    if REAL_GPU:
+        boundary.call(module, None, "run_prefill", values, True)
+        return
+    with pytest.raises(RuntimeError) as caught:  # every check passed: the launch itself fails without a GPU
+        boundary.call(module, None, "run_prefill", values, False)
+    assert "argument" not in str(caught.value), f"a host check refused the valid call: {caught.value}"
+
+
+# The planner wants contiguous plans anyway, and the compact output of the matrix has one row.
+_REPEATABLE = [(f, w) for f, names in boundary.WRITTEN.items() for w in names
+               if f != "plan_online_prefill" and (f, w) != ("run_prefill_compact", "kv_compressed_output")]
+
+
+@pytest.mark.parametrize("function, name", _REPEATABLE)
+def test_reference_refuses_a_written_tensor_that_repeats_elements(function, name):
+    """The reference takes any layout, but an expanded (stride-0) view that it writes would take several
+    results in one element."""
+    values = boundary.valid_values()[function]
+    valid = values[name]
+    assert valid.shape[0] > 1
+    values[name] = valid[:1].expand(valid.shape)
+    with pytest.raises(ValueError, match=f"argument '{name}': expected a tensor whose elements are apart"):
+        getattr(ref, function)(*(values[a.name] for a in boundary.FUNCTIONS[function]))
+
+
 # ---------------------------------------------------------------------------
 # The reference: the same functions in PyTorch, the same kind of messages.
 # ---------------------------------------------------------------------------

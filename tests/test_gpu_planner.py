@@ -20,6 +20,8 @@ import pytest
 import torch
 
 import oracle
+from boundary import DL_CUDA, relabel
+from conftest import cuda_available
 from cuda_graphs import capture
 from flash_compress import reference as ref
 from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE, ROW_BYTES, PlanError
@@ -254,6 +256,33 @@ def test_gpu_path_argument_errors_raise_and_name_the_argument(gpu):
 
 
 # No GPU needed: the host path and the new argument's boundary.
+
+
+def test_gpu_path_refuses_outputs_sharing_memory():
+    """The GPU path's memory check runs on the host before its launch, so without a GPU host tensors
+    labelled as CUDA ones stand in (with one, they are CUDA tensors)."""
+    module = kernels()
+    on_gpu = cuda_available()
+    device = "cuda" if on_gpu else "cpu"
+    place = (lambda t: t) if on_gpu else (lambda t: relabel(t, DL_CUDA))  # noqa: E731
+    lens = torch.tensor([3], dtype=torch.int64, device=device)
+    rows = torch.zeros(4, ROW_BYTES, dtype=torch.uint8, device=device)
+    compress, write = rows[:3], torch.zeros(3, ROW_BYTES, dtype=torch.uint8, device=device)
+    counts_in_row_2 = rows[2].view(torch.int32)[:3]
+    lens_in_row_0 = compress.view(torch.int64).view(-1)[:1]
+    before = rows.clone()
+    cases = [
+        ((lens, lens, compress, write, counts_in_row_2), "'counts': expected memory apart from 'compress_plan'"),
+        ((lens_in_row_0, lens, compress, write, None), "'compress_plan': expected memory apart from 'extend_lens'"),
+        ((lens, lens, compress, compress, None), "'write_plan': expected memory apart from 'compress_plan'"),
+    ]
+    for (extend, seq, compress_plan, write_plan, counts), message in cases:
+        with pytest.raises(ValueError, match=message):
+            module.plan_online_prefill_counted(place(extend), place(seq), place(compress_plan), place(write_plan),
+                                               True, None if counts is None else place(counts))
+    if on_gpu:
+        torch.cuda.synchronize()
+    assert torch.equal(rows, before)
 
 
 class _SixArguments:

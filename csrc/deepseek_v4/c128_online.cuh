@@ -107,6 +107,12 @@ struct C128Online {
     device.set_options<kDLCUDA>();
     const int32_t num_slots =
         Checks::token_step(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, B, B, device);
+    verify_apart({{kv_score_buffer, "kv_score_buffer", true},
+                  {kv_score_input, "kv_score_input", false},
+                  {kv_compressed_output, "kv_compressed_output", true},
+                  {ape, "ape", false},
+                  {indices, "indices", false},
+                  {seq_lens, "seq_lens", false}});
 
     const int64_t batch_size = B.unwrap();
     if (batch_size == 0) return;
@@ -170,6 +176,13 @@ struct C128Online {
         Checks::token_step(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, R, B, device);
     Checks::state_rows(prefix_states, R, device);
     const int64_t window = tokens_per_request(R.unwrap(), B.unwrap(), "kv_score_input");
+    verify_apart({{kv_score_buffer, "kv_score_buffer", false},
+                  {kv_score_input, "kv_score_input", false},
+                  {kv_compressed_output, "kv_compressed_output", true},
+                  {ape, "ape", false},
+                  {indices, "indices", false},
+                  {seq_lens, "seq_lens", false},
+                  {prefix_states, "prefix_states", true}});
     if (B.unwrap() == 0) return;
     using Layout = VerifyLayout<kHeadDim>;
     constexpr auto kKernel = c128_verify_kernel<kHeadDim, kUsePDL, StateT>;
@@ -206,6 +219,10 @@ struct C128Online {
     Checks::per_request(indices, B, device, "indices");
     Checks::per_request(accept_lens, B, device, "accept_lens");
     const int64_t window = tokens_per_request(R.unwrap(), B.unwrap(), "prefix_states");
+    verify_apart({{kv_score_buffer, "kv_score_buffer", true},
+                  {prefix_states, "prefix_states", false},
+                  {indices, "indices", false},
+                  {accept_lens, "accept_lens", false}});
     if (B.unwrap() == 0) return;
     const CommitParams<StateT> params{
         .state = data_ptr<StateT>(kv_score_buffer),
@@ -269,6 +286,14 @@ struct C128Online {
             kMaxPlanLength, " rows, got ", num_compress.unwrap());
     CheckAs("ValueError", num_write.unwrap() <= kMaxPlanLength, "argument 'write_plan': expected at most ",
             kMaxPlanLength, " rows, got ", num_write.unwrap());
+    verify_apart({{kv_score_buffer, "kv_score_buffer", true},
+                  {kv_score_input, "kv_score_input", false},
+                  {kv_compressed_output, "kv_compressed_output", true},
+                  {ape, "ape", false},
+                  {indices, "indices", false},
+                  {load_indices, "load_indices", false},
+                  {compress_plan, "compress_plan", false},
+                  {write_plan, "write_plan", false}});
 
     PrefillArgs params{
         .state = data_ptr<StateT>(kv_score_buffer),

@@ -95,6 +95,10 @@ inline PlanResult plan_on_host(const tvm::ffi::TensorView& extend_lens, const tv
   TensorMatcher({B}).with_dtype<int64_t>().with_device(lens_device).verify(extend_lens, "extend_lens");
   TensorMatcher({B}).with_dtype<int64_t>().with_device(lens_device).verify(seq_lens, "seq_lens");
   verify_plans(compress_plan, write_plan, M, plan_device);
+  verify_apart({{extend_lens, "extend_lens", false},
+                {seq_lens, "seq_lens", false},
+                {compress_plan, "compress_plan", true},
+                {write_plan, "write_plan", true}});
 
   const int64_t batch_size = B.unwrap();
   const int64_t num_rows = M.unwrap();
@@ -164,6 +168,11 @@ inline PlanResult plan_on_device(const tvm::ffi::TensorView& extend_lens, const 
     TensorMatcher({3}).with_device(device).verify(*counts, "counts");
     counts_int64 = !lengths_are_int32(*counts, "counts");
   }
+  verify_apart({{extend_lens, "extend_lens", false},
+                {seq_lens, "seq_lens", false},
+                {compress_plan, "compress_plan", true},
+                {write_plan, "write_plan", true},
+                {counts, "counts", true}});
   const int64_t num_rows = M.unwrap();
   CheckAs("ValueError", B.unwrap() <= kMaxPlanBatch, "argument 'extend_lens': expected at most ", kMaxPlanBatch,
           " requests, got ", B.unwrap());

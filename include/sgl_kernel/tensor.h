@@ -11,6 +11,7 @@
 #include <dlpack/dlpack.h>
 #include <sgl_kernel/utils.h>
 #include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/optional.h>
 
 #include <cstdint>
 #include <initializer_list>
@@ -332,5 +333,56 @@ class TensorMatcher {
   SymbolicDevice* device_ = nullptr;
   int64_t alignment_ = 0;
 };
+
+/// \brief One argument of an export as `verify_apart` sees it; an optional
+/// argument passed as None is no tensor and overlaps nothing.
+struct NamedTensor {
+  NamedTensor(const tvm::ffi::TensorView& tensor, const char* name, bool written)
+      : tensor(&tensor), name(name), written(written) {}
+  NamedTensor(const tvm::ffi::Optional<tvm::ffi::TensorView>& tensor, const char* name, bool written)
+      : tensor(tensor.has_value() ? &*tensor : nullptr), name(name), written(written) {}
+
+  const tvm::ffi::TensorView* tensor;
+  const char* name;
+  bool written;  // the call stores into it
+};
+
+/// \brief The bytes `[begin, end)` a contiguous tensor's elements occupy; empty without elements.
+struct ByteRange {
+  uintptr_t begin = 0;
+  uintptr_t end = 0;
+
+  static ByteRange of(const tvm::ffi::TensorView& tensor) {
+    const int64_t numel = tensor.numel();
+    if (numel == 0) return {};
+    const DLDataType dtype = tensor.dtype();
+    const auto bytes = static_cast<uintptr_t>((static_cast<uint64_t>(numel) * dtype.bits * dtype.lanes + 7) / 8);
+    const auto begin = reinterpret_cast<uintptr_t>(data_ptr(tensor));
+    return {begin, begin + bytes};
+  }
+  bool overlaps(const ByteRange& other) const {
+    return begin < end && other.begin < other.end && begin < other.end && other.begin < end;
+  }
+};
+
+/// \brief Refuses two arguments that share memory where the call writes
+/// either: its threads would read what another thread writes, or store one
+/// result over another, in an order no one chose. Arguments that are only
+/// read may share memory (the same `seq_lens` as `extend_lens`). Call it once
+/// the arguments are verified: it assumes contiguous tensors on one device.
+inline void verify_apart(std::initializer_list<NamedTensor> arguments) {
+  for (auto later = arguments.begin(); later != arguments.end(); ++later) {
+    for (auto earlier = arguments.begin(); earlier != later; ++earlier) {
+      if (!earlier->written && !later->written) continue;
+      if (earlier->tensor == nullptr || later->tensor == nullptr) continue;
+      if (!ByteRange::of(*earlier->tensor).overlaps(ByteRange::of(*later->tensor))) continue;
+      const std::string writes = earlier->written && later->written ? std::string("both")
+                                 : std::string("'") + (later->written ? later->name : earlier->name) + "'";
+      detail::throw_error("ValueError", std::string("argument '") + later->name + "': expected memory apart from '" +
+                                            earlier->name + "' (the call writes " + writes +
+                                            "), got a tensor that overlaps it");
+    }
+  }
+}
 
 }  // namespace host

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from . import _debug
+from ._arguments import check_apart
 from .c128_online import STATE_DTYPES, is_supported_head_dim, load_module, load_planner
 from .jit import JitDisabledError
 from .plan_rows import CHUNK_SIZE
@@ -106,7 +107,7 @@ def _check_move_arguments(kv_score_buffer: torch.Tensor, kv_score_input: torch.T
                              f"got {t.device}")
     for name, t in (("kv_score_input", kv_score_input), ("out", out)):
         if not isinstance(t, torch.Tensor):
-            continue  # the export names it
+            raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() == 0 or t.shape[0] != indices.shape[0]:
             raise ValueError(f"argument '{name}': expected {indices.shape[0]} rows like indices, "
                              f"got shape {list(t.shape)}")
@@ -118,6 +119,11 @@ def _check_move_arguments(kv_score_buffer: torch.Tensor, kv_score_input: torch.T
         if t.data_ptr() % 16:
             raise ValueError(f"argument '{name}': expected data aligned to 16 bytes, "
                              f"got a pointer offset by {t.data_ptr() % 16} bytes")
+    # The move writes the pool before the kernel runs, so the kernel's own check of the memory it writes
+    # comes too late for the pool, and sees the input and output with no rows.
+    check_apart([("kv_score_buffer", kv_score_buffer, True), ("kv_score_input", kv_score_input, False),
+                 ("out", out, True), ("indices", indices, False), ("load_indices", load_indices, False),
+                 ("seq_lens", seq_lens, False)])
 
 
 def relocate_states(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_indices: torch.Tensor,

@@ -29,9 +29,10 @@ from typing import Optional, Union
 import torch
 
 from . import _debug, _dispatch
+from ._arguments import check_flag
 from . import ops as _ops  # registers torch.ops.flash_compress.{decode,prefill,verify,commit}
-from .host_planner import check_lengths, plan_tensors
-from .plan_rows import ROW_BYTES
+from .host_planner import check_lengths, plan_tensors, planned_tokens
+from .plan_rows import MAX_LENGTH, ROW_BYTES
 
 __all__ = ["PrefillPlan", "commit", "decode", "plan_prefill", "prefill", "verify"]
 
@@ -97,12 +98,15 @@ def plan_prefill(
             f"argument 'seq_lens': expected shape {list(extend_lens.shape)} like extend_lens, "
             f"got {list(seq_lens.shape)}"
         )
+    use_cuda_graph = check_flag(use_cuda_graph, "use_cuda_graph")
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"argument 'device': expected a torch.device or a device string, got {type(device).__name__}")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda" and extend_lens.is_cuda and seq_lens.is_cuda:
         return _plan_on_gpu(seq_lens, extend_lens, device, num_tokens)
-    return _plan_on_host(seq_lens, extend_lens, device, bool(use_cuda_graph), num_tokens)
+    return _plan_on_host(seq_lens, extend_lens, device, use_cuda_graph, num_tokens)
 
 
 def _plan_on_host(
@@ -111,12 +115,15 @@ def _plan_on_host(
 ) -> PrefillPlan:
     # The compiled planner reads int64 host tensors.
     extend = extend_lens.to("cpu", torch.int64)
+    seq = seq_lens.to("cpu", torch.int64)
     total = int(extend.sum())
+    if extend.numel() and not (int(extend.min()) > 0 and 0 < total <= MAX_LENGTH):
+        planned_tokens(extend.tolist(), seq.tolist())  # raises: lengths no plan can be sized for
     if num_tokens is not None and num_tokens != total:
         raise ValueError(f"argument 'num_tokens': expected sum(extend_lens) = {total}, got {num_tokens}")
     pinned = device.type == "cuda"
-    compress, write = plan_tensors(_dispatch.planner(load=pinned), extend, seq_lens.to("cpu", torch.int64),
-                                   use_cuda_graph, pin_memory=pinned, rows=total)
+    compress, write = plan_tensors(_dispatch.planner(load=pinned), extend, seq, use_cuda_graph, pin_memory=pinned,
+                                   rows=total)
     num_compress, num_write = compress.shape[0], write.shape[0]
     if device.type != "cpu":
         compress = compress.to(device, non_blocking=True)
@@ -131,6 +138,9 @@ def _plan_on_gpu(
     extend = extend_lens.to(device, non_blocking=True).contiguous()
     seq = seq_lens.to(device, non_blocking=True).contiguous()
     total = int(extend.sum()) if num_tokens is None else num_tokens  # the sum syncs; pass num_tokens to avoid it
+    if not 0 <= total <= MAX_LENGTH:
+        name = "extend_lens" if num_tokens is None else "num_tokens"
+        raise ValueError(f"argument '{name}': expected a token count in [0, {MAX_LENGTH}], got {total}")
     compress = torch.empty((total, ROW_BYTES), dtype=torch.uint8, device=device)
     write = torch.empty((total, ROW_BYTES), dtype=torch.uint8, device=device)
     counts = torch.empty(3, dtype=torch.int32, device=device)
@@ -224,6 +234,7 @@ def prefill(
         compress_plan, write_plan = plan.compress_plan, plan.write_plan
     except AttributeError:
         raise TypeError(f"argument 'plan': expected a PrefillPlan, got {type(plan).__name__}") from None
+    compact = check_flag(compact, "compact")
     if out is None:
         out = _dispatch.new_output(kv_score_input, ape, compress_plan.shape[0] if compact else None)
     if torch.compiler.is_compiling():

@@ -16,9 +16,10 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
+from ._arguments import check_apart
 from .plan_rows import CHUNK_SIZE, MAX_LENGTH, PADDING_BYTE, ROW_BYTES, check_plan_tensor, encode_rows
 
-__all__ = ["check_lengths", "plan_online_prefill", "plan_segments", "plan_tensors"]
+__all__ = ["check_lengths", "plan_online_prefill", "plan_segments", "plan_tensors", "planned_tokens"]
 
 _LENGTH_DTYPES = (torch.int64, torch.int32)
 
@@ -90,6 +91,24 @@ def _export_bool(value: object, name: str) -> bool:
     raise TypeError(f"argument '{name}': expected a bool, got {type(value).__name__}")
 
 
+def planned_tokens(extend: Sequence[int], seq: Sequence[int]) -> int:
+    """``sum(extend)``, the rows a plan needs, once each length is one the planner takes (``0 < extend_len <=
+    seq_len <= MAX_LENGTH``, the sum at most ``MAX_LENGTH``); else ValueError naming the argument."""
+    total = 0
+    for b, (e, s) in enumerate(zip(extend, seq)):
+        if not 0 < e <= s:
+            raise ValueError(
+                f"argument 'extend_lens': expected 0 < extend_lens[{b}] <= seq_lens[{b}], "
+                f"got extend_lens[{b}] = {e} and seq_lens[{b}] = {s}"
+            )
+        if s > MAX_LENGTH:
+            raise ValueError(f"argument 'seq_lens': expected seq_lens[{b}] <= {MAX_LENGTH}, got {s}")
+        total += e
+    if total > MAX_LENGTH:
+        raise ValueError(f"argument 'extend_lens': expected a sum <= {MAX_LENGTH}, got {total}")
+    return total
+
+
 def plan_online_prefill(
     extend_lens: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -129,19 +148,10 @@ def plan_online_prefill(
             f"argument 'write_plan': expected {compress_plan.shape[0]} rows like compress_plan, "
             f"got {write_plan.shape[0]}"
         )
+    check_apart([("extend_lens", extend_lens, False), ("seq_lens", seq_lens, False),
+                 ("compress_plan", compress_plan, True), ("write_plan", write_plan, True)])
     use_cuda_graph = _export_bool(use_cuda_graph, "use_cuda_graph")
-    total = 0
-    for b, (e, s) in enumerate(zip(extend, seq)):
-        if not 0 < e <= s:
-            raise ValueError(
-                f"argument 'extend_lens': expected 0 < extend_lens[{b}] <= seq_lens[{b}], "
-                f"got extend_lens[{b}] = {e} and seq_lens[{b}] = {s}"
-            )
-        if s > MAX_LENGTH:
-            raise ValueError(f"argument 'seq_lens': expected seq_lens[{b}] <= {MAX_LENGTH}, got {s}")
-        total += e
-    if total > MAX_LENGTH:
-        raise ValueError(f"argument 'extend_lens': expected a sum <= {MAX_LENGTH}, got {total}")
+    total = planned_tokens(extend, seq)
     num_rows = compress_plan.shape[0]
     if total != num_rows:
         raise ValueError(

@@ -57,10 +57,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import torch
 
 from . import c128_online
+from ._arguments import check_apart, check_flag
 from .host_planner import plan_online_prefill, plan_segments
 from .plan_rows import CHUNK_SIZE, PADDING_ROW, check_plan_tensor, decode_rows, live_rows, row_problems
 
@@ -135,13 +135,6 @@ def state_to_store(m: torch.Tensor, total: torch.Tensor, kv: torch.Tensor, dtype
         total = total * torch.exp(m - m_b.to(torch.float64))
         m = m_b
     return torch.cat([m.to(dtype), total.to(dtype), kv.to(dtype)], dim=-1)
-
-
-def _check_flag(value, name: str) -> bool:
-    """A bool argument (numpy bools too), or TypeError naming it."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"argument '{name}': expected a bool, got {type(value).__name__}")
-    return bool(value)
 
 
 def _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape,
@@ -255,11 +248,14 @@ def run_decode(
     it: its output row and every slot stay as they were. Returns None.
     """
     d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape)
-    exact = _check_flag(exact_bf16_stores, "exact_bf16_stores")
+    exact = check_flag(exact_bf16_stores, "exact_bf16_stores")
     batch = kv_score_input.shape[0]
     device = kv_score_buffer.device
     _index_vector(indices, "indices", device, batch, like="kv_score_input rows")
     _index_vector(seq_lens, "seq_lens", device, batch, like="kv_score_input rows")
+    check_apart([("kv_score_buffer", kv_score_buffer, True), ("kv_score_input", kv_score_input, False),
+                 ("kv_compressed_output", kv_compressed_output, True), ("ape", ape, False),
+                 ("indices", indices, False), ("seq_lens", seq_lens, False)])
     live = (_in_pool(indices, kv_score_buffer.shape[0]) & (seq_lens >= 1)).nonzero().flatten()
     if not len(live):
         return
@@ -396,16 +392,20 @@ def _prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices
         check_plan_tensor(compress_plan, "compress_plan")  # its row count sizes the output
         output_rows = (compress_plan.shape[0], "compress_plan rows")
     d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape, output_rows)
-    exact = _check_flag(exact_bf16_stores, "exact_bf16_stores")
+    exact = check_flag(exact_bf16_stores, "exact_bf16_stores")
     num_tokens, num_slots = kv_score_input.shape[0], kv_score_buffer.shape[0]
     device = kv_score_buffer.device
     batch = _index_vector(indices, "indices", device)
-    if load_indices is None:
-        load_indices = indices
-    else:
+    if load_indices is not None:
         _index_vector(load_indices, "load_indices", device, batch, like="indices")
     check_plan_tensor(compress_plan, "compress_plan")
     check_plan_tensor(write_plan, "write_plan")
+    check_apart([("kv_score_buffer", kv_score_buffer, True), ("kv_score_input", kv_score_input, False),
+                 ("kv_compressed_output", kv_compressed_output, True), ("ape", ape, False),
+                 ("indices", indices, False), ("load_indices", load_indices, False),
+                 ("compress_plan", compress_plan, False), ("write_plan", write_plan, False)])
+    if load_indices is None:
+        load_indices = indices
     runnable = dict(num_tokens=num_tokens, indices=indices, load_indices=load_indices, num_slots=num_slots)
     compress_rows, compress_where = _runnable_rows(compress_plan, compress=True, **runnable)
     write_rows, _ = _runnable_rows(write_plan, compress=False, **runnable)
@@ -514,13 +514,16 @@ def run_verify(
     :class:`TypeError` / :class:`ValueError` naming them, before anything is written.
     """
     d = _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, ape)
-    exact = _check_flag(exact_bf16_stores, "exact_bf16_stores")
+    exact = check_flag(exact_bf16_stores, "exact_bf16_stores")
     device = kv_score_buffer.device
     batch = _index_vector(indices, "indices", device)
     _index_vector(seq_lens, "seq_lens", device, batch, like="indices")
     rows = kv_score_input.shape[0]
     _check_prefix_states(prefix_states, kv_score_buffer, rows)
     window = _tokens_per_request(rows, batch, "kv_score_input")
+    check_apart([("kv_score_buffer", kv_score_buffer, False), ("kv_score_input", kv_score_input, False),
+                 ("kv_compressed_output", kv_compressed_output, True), ("ape", ape, False),
+                 ("indices", indices, False), ("seq_lens", seq_lens, False), ("prefix_states", prefix_states, True)])
     num_slots = kv_score_buffer.shape[0]
     slots, lens = indices.tolist(), seq_lens.tolist()
     live = (_in_pool(indices, num_slots) & (seq_lens >= window)).nonzero().flatten().tolist()
@@ -579,6 +582,8 @@ def run_commit(
     batch = _index_vector(indices, "indices", device)
     _index_vector(accept_lens, "accept_lens", device, batch, like="indices")
     window = _tokens_per_request(rows, batch, "prefix_states")
+    check_apart([("kv_score_buffer", kv_score_buffer, True), ("prefix_states", prefix_states, False),
+                 ("indices", indices, False), ("accept_lens", accept_lens, False)])
     num_slots = shape[0]
     slots, accepted = indices.tolist(), accept_lens.tolist()
     keep = (_in_pool(indices, num_slots) & (accept_lens >= 1) & (accept_lens <= window)).nonzero().flatten().tolist()
