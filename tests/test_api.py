@@ -520,6 +520,45 @@ def test_cli_help_lists_every_command(capsys):
         assert command in out, command
 
 
+def _prebuild_grid(monkeypatch, argv):
+    """What ``prebuild argv`` would build (nothing is built): its exit status and the specs of its grid."""
+    from flash_compress.__main__ import main
+    from flash_compress.jit import cli
+
+    grids = []
+    monkeypatch.setattr(cli, "prebuild", lambda grid, **kwargs: grids.append([spec for _, spec in grid]) or 0)
+    status = main(["prebuild", *argv])
+    return status, grids[0] if grids else None
+
+
+def test_prebuild_builds_the_grid_asked_for_once_each(monkeypatch, capsys):
+    from flash_compress.c128_online import planner_spec, spec
+
+    assert _prebuild_grid(monkeypatch, ["--head-dim", "128", "128", "--pdl", "1", "1", "--state-dtype", "float32",
+                                        "--arch", "9.0"]) == (0, [planner_spec(True), spec(128, True)])
+    # No PDL before sm_90: the default grid leaves it out, and asking for it is refused before any build.
+    assert _prebuild_grid(monkeypatch, ["--head-dim", "128", "--state-dtype", "float32", "--arch", "8.0"]) == (
+        0, [planner_spec(False), spec(128, False)])
+    for argv, said in ((["--head-dim", "128", "--pdl", "1", "--arch", "8.0"], "PDL needs sm_90"),
+                       (["--head-dim", "0", "--arch", "9.0"], "head_dim: expected a multiple of 64")):
+        assert _prebuild_grid(monkeypatch, argv) == (2, None)
+        assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variant", ["planner", "kernels"])
+def test_a_cannot_build_error_prints_the_prebuild_command_of_that_variant(monkeypatch, variant):
+    """The command a JitDisabledError prints builds that variant (and its planner), not the default grid."""
+    from flash_compress.c128_online import planner_spec, spec
+    from flash_compress.jit import JitDisabledError
+
+    wanted = planner_spec(False) if variant == "planner" else spec(192, True, "bfloat16")
+    message = str(JitDisabledError(wanted.name, "no nvcc", Path("/cache"), ("9.0",), wanted.prebuild_options))
+    command = message.split("`")[1].split()
+    assert command[:4] == ["python", "-m", "flash_compress", "prebuild"] and command[-2:] == ["--cache-dir", "/cache"]
+    status, grid = _prebuild_grid(monkeypatch, command[4:-2])
+    assert status == 0 and grid == ([wanted] if variant == "planner" else [planner_spec(True), wanted])
+
+
 def test_usage_md_worked_example_runs_on_cpu():
     text = (ROOT / "docs" / "USAGE.md").read_text()
     snippet = text[text.index("## 9."):].split("```python\n")[1].split("```")[0]

@@ -265,6 +265,28 @@ def test_disable_jit_raises_on_a_miss_and_still_loads_a_hit(warm_cache, tmp_path
     assert jit.load(tiny_spec(), cache_dir=cache).add_value(0) == 1
 
 
+def test_a_multi_arch_prebuild_serves_a_node_that_asks_for_one_of_its_archs(tmp_path, monkeypatch):
+    """USAGE section 7: the cluster prebuilds for 9.0 and 10.0, and a node that asks for its own GPU's arch
+    finds that build, with nvcc or without, compiling nothing."""
+    from flash_compress.jit import loader
+
+    cache = tmp_path / "cache"
+    built = jit.ensure_built(tiny_spec(), arch_list=("9.0", "10.0"), cache_dir=cache)
+    assert built.status == "built"
+    monkeypatch.setenv("FLASH_COMPRESS_DISABLE_JIT", "1")
+    config.reset()
+    for arch in (("9.0",), ("10.0",)):
+        outcome = jit.ensure_built(tiny_spec(), arch_list=arch, cache_dir=cache)
+        assert (outcome.status, outcome.folder, outcome.arch_list) == ("cached", built.folder, built.arch_list)
+    assert jit.load(tiny_spec(), arch_list=("9.0",), cache_dir=cache).add_value(4) == 5
+    with pytest.raises(JitDisabledError, match="jit_tiny_sm80_"):
+        jit.ensure_built(tiny_spec(), arch_list=("8.0",), cache_dir=cache)  # an arch the build lacks
+    monkeypatch.setattr(loader, "find_nvcc", lambda: None)
+    outcome = jit.ensure_built(tiny_spec(), arch_list=("10.0",), cache_dir=cache)
+    assert outcome.portable and outcome.folder == built.folder
+    assert entries(cache) == [built.entry]
+
+
 def test_compile_error_surfaces_the_compiler_message(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("FLASH_COMPRESS_JIT_VERBOSE", "1")
     cache = tmp_path / "cache"

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .c128_online import HEAD_DIMS_TESTED, STATE_DTYPES, check_arch_list, planner_spec, spec
+from .c128_online import HEAD_DIMS_TESTED, STATE_DTYPES, check_arch_list, planner_spec, resolve_use_pdl, spec
 
 __all__ = ["main"]
 
@@ -28,9 +28,11 @@ def _parser() -> argparse.ArgumentParser:
     prebuild = commands.add_parser("prebuild", help="compile the planner and a grid of kernel variants into the cache (no GPU needed)")
     prebuild.add_argument("--head-dim", type=int, nargs="+", default=list(HEAD_DIMS_TESTED),
                           help=f"default: {' '.join(map(str, HEAD_DIMS_TESTED))}")
-    prebuild.add_argument("--pdl", type=int, nargs="+", choices=[0, 1], default=[0, 1], help="default: 0 1")
+    prebuild.add_argument("--pdl", type=int, nargs="+", choices=[0, 1], default=None,
+                          help="default: 0 1 (0 alone where an arch is older than sm_90, which has no PDL)")
     prebuild.add_argument("--state-dtype", nargs="+", choices=list(STATE_DTYPES), default=list(STATE_DTYPES),
                           help=f"default: {' '.join(STATE_DTYPES)}")
+    prebuild.add_argument("--planner-only", action="store_true", help="build the planner alone, no kernel variant")
     prebuild.add_argument("--arch", nargs="+", default=None, help='CUDA archs, e.g. 9.0 10.0 (default: as the loader)')
     prebuild.add_argument("--jobs", type=int, default=None, help="parallel builds (default: CPU count)")
     prebuild.add_argument("--cache-dir", default=None,
@@ -72,18 +74,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "prebuild":
         from .jit.toolchain import normalize_arch_list
 
-        try:  # every arch the kernels build for, before any build
-            check_arch_list(normalize_arch_list(args.arch) if args.arch else jit.cuda_arch_list())
+        unique = lambda values: list(dict.fromkeys(values))  # noqa: E731 (in the order given, once each)
+        try:  # the whole grid, before any build
+            targets = normalize_arch_list(args.arch) if args.arch else jit.cuda_arch_list()
+            check_arch_list(targets)
+            pdls = unique(args.pdl) if args.pdl is not None else [0, 1] if resolve_use_pdl(None, targets) else [0]
+            for pdl in pdls:
+                resolve_use_pdl(bool(pdl), targets)  # PDL needs sm_90: --pdl 1 with an older arch is refused
+            grid = [(f"planner pdl={pdl}", planner_spec(bool(pdl))) for pdl in pdls]
+            grid += [
+                (f"head_dim={head_dim} pdl={pdl} state={state}", spec(head_dim, bool(pdl), state))
+                for head_dim in ([] if args.planner_only else unique(args.head_dim))
+                for pdl in pdls
+                for state in unique(args.state_dtype)
+            ]
         except ValueError as exc:
             print(f"prebuild: {exc}", file=sys.stderr)
             return 2
-        grid = [(f"planner pdl={pdl}", planner_spec(bool(pdl))) for pdl in args.pdl]
-        grid += [
-            (f"head_dim={head_dim} pdl={pdl} state={state}", spec(head_dim, bool(pdl), state))
-            for head_dim in args.head_dim
-            for pdl in args.pdl
-            for state in args.state_dtype
-        ]
         arch_list = tuple(args.arch) if args.arch else None
         return cli.prebuild(grid, arch_list=arch_list, jobs=args.jobs, cache_dir=args.cache_dir)
     if args.command == "status":

@@ -93,6 +93,7 @@ def spec(head_dim: int, use_pdl: bool, state_dtype: str = "float32") -> jit.JitS
         exports={**{name: f"{exports}::{name}" for name in _KERNEL_EXPORTS}, **_planner_exports(use_pdl)},
         include_dirs=source_roots(),
         extra_cuda_cflags=_CUDA_FLAGS,
+        prebuild_options=("--head-dim", str(head_dim), "--pdl", str(int(use_pdl)), "--state-dtype", state_dtype),
     )
 
 
@@ -104,6 +105,7 @@ def planner_spec(use_pdl: bool) -> jit.JitSpec:
         exports=_planner_exports(use_pdl),
         include_dirs=source_roots(),
         extra_cuda_cflags=_CUDA_FLAGS,
+        prebuild_options=("--planner-only", "--pdl", str(int(use_pdl))),
     )
 
 

@@ -25,7 +25,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from .toolchain import arch_tag, host_compiler, tool_version
 
 __all__ = [
     "BUILD_LOG", "MANIFEST", "CacheLayout", "JitCacheInfo", "KeyInputs", "TreeDigest", "Verdict", "clear_cache",
-    "find_portable_match", "folder_name", "key_inputs", "list_entries", "publish", "quarantine", "tree_digest",
+    "find_covering_entry", "folder_name", "key_inputs", "list_entries", "publish", "quarantine", "tree_digest",
     "verify_entry", "write_manifest",
 ]
 
@@ -330,13 +330,25 @@ def clean_staging(layout: CacheLayout, folder: str | None) -> None:
                 remove_tree(child)
 
 
-def find_portable_match(layout: CacheLayout, name: str, tag: str, portable_key: str) -> Verdict:
-    """The newest intact entry of ``name`` for arch tag ``tag`` whose portable key matches
-    (for a machine with no nvcc, which cannot compute the full key)."""
+def find_covering_entry(layout: CacheLayout, inputs: KeyInputs, *, portable: bool = False) -> Verdict:
+    """The newest intact entry built for every arch of ``inputs.arch_list``, and maybe more, whose key is the
+    one ``inputs`` would have with that entry's arch list; ``portable`` compares portable keys (a machine
+    with no nvcc, which cannot compute the full key).
+
+    So a node that asks for its own GPU's arch finds a cluster's multi-arch prebuild (``--arch 9.0 10.0``).
+    """
+    wanted = set(inputs.arch_list)
     candidates = []
-    for entry in layout.root.glob(f"{name}_{tag}_*"):
+    for entry in layout.root.glob(f"{inputs.name}_*"):
         manifest = read_manifest(entry)
-        if manifest is not None and manifest.get("portable_key") == portable_key:
+        if manifest is None or manifest.get("name") != inputs.name:
+            continue
+        archs = tuple(str(arch) for arch in manifest.get("arch_list", ()))
+        if not wanted <= set(archs):
+            continue
+        built_for = replace(inputs, arch_list=archs)
+        if portable and manifest.get("portable_key") == built_for.portable_key() or (
+                not portable and manifest.get("key") == built_for.key()):
             candidates.append((float(manifest.get("built_at", 0.0)), entry))
     for _, entry in sorted(candidates, reverse=True):
         verdict = verify_entry(entry)

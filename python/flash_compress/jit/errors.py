@@ -48,23 +48,25 @@ class JitDisabledError(JitError):
         reason: why no build was attempted (JIT disabled, no CUDA toolkit, cache not writable).
         cache_dir: the cache that was searched.
         arch_list: the archs the variant was wanted for (they go into the suggested command).
+        prebuild_options: the variant's own options of that command (``JitSpec.prebuild_options``).
     """
 
-    def __init__(self, variant: str, reason: str, cache_dir: Path, arch_list: Sequence[str] = ()) -> None:
+    def __init__(self, variant: str, reason: str, cache_dir: Path, arch_list: Sequence[str] = (),
+                 prebuild_options: Sequence[str] = ()) -> None:
         self.variant = variant
         self.reason = reason
         self.cache_dir = cache_dir
         self.arch_list = tuple(arch_list)
-        archs = " ".join(self.arch_list) or "..."
+        self.prebuild_options = tuple(prebuild_options)
+        command = " ".join((PREBUILD_COMMAND, "--arch", *(self.arch_list or ("...",)), *self.prebuild_options,
+                            "--cache-dir", str(cache_dir)))
         super().__init__(
             f"JIT variant {variant} is not in the cache {cache_dir} and cannot be built here: {reason}. "
-            f"Build it ahead of time on a machine with nvcc: "
-            f"`{PREBUILD_COMMAND} --arch {archs} --cache-dir {cache_dir}` (with the same variant options), "
-            f"then use that cache here."
+            f"Build it ahead of time on a machine with nvcc: `{command}`, then use that cache here."
         )
 
-    def __reduce__(self) -> tuple[type, tuple[str, str, Path, tuple[str, ...]]]:
-        return (type(self), (self.variant, self.reason, self.cache_dir, self.arch_list))
+    def __reduce__(self) -> tuple[type, tuple[str, str, Path, tuple[str, ...], tuple[str, ...]]]:
+        return (type(self), (self.variant, self.reason, self.cache_dir, self.arch_list, self.prebuild_options))
 
 
 class JitLockTimeoutError(JitError, TimeoutError):

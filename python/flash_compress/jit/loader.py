@@ -26,7 +26,7 @@ from filelock import FileLock, Timeout
 
 from .build import compile_in_staging
 from .cache import (
-    BUILD_LOG, CacheLayout, Verdict, clean_staging, find_portable_match, folder_name, key_inputs, publish,
+    BUILD_LOG, CacheLayout, Verdict, clean_staging, find_covering_entry, folder_name, key_inputs, publish,
     quarantine, remove_tree, verify_entry, write_manifest,
 )
 from .config import config
@@ -79,6 +79,11 @@ def _outcome(verdict: Verdict, status: Literal["built", "cached"], start: float,
                         time.perf_counter() - start, arch, portable)
 
 
+def _built_for(verdict: Verdict) -> tuple[str, ...]:
+    """The archs a published entry was built for, as its manifest records them."""
+    return tuple(str(arch) for arch in (verdict.manifest or {}).get("arch_list", ()))
+
+
 def _usable(verdict: Verdict, distrust_sha: str | None) -> bool:
     return verdict.library is not None and (verdict.manifest or {}).get("sha256") != distrust_sha
 
@@ -94,8 +99,9 @@ def _build_locked(spec: JitSpec, layout: CacheLayout, folder: str, inputs, nvcc:
     except Timeout:
         raise JitLockTimeoutError(folder, lock_path, config.lock_timeout) from None
     except OSError as exc:
-        raise JitDisabledError(folder, f"the cache dir is not writable ({exc.strerror or exc})", layout.root,
-                               inputs.arch_list) from exc
+        raise JitDisabledError(folder, f"the cache dir is not writable ({exc.strerror or exc}); "
+                               "FLASH_COMPRESS_CACHE_DIR can name a writable one to build in", layout.root,
+                               inputs.arch_list, spec.prebuild_options) from exc
     try:
         verdict = verify_entry(entry, inputs.key())
         if _usable(verdict, distrust_sha):
@@ -136,23 +142,27 @@ def _ensure(spec: JitSpec, arch: tuple[str, ...], layout: CacheLayout, distrust_
     inputs = key_inputs(spec, arch, nvcc, layout.root)
     if nvcc is None:
         # No nvcc, so no full key: accept a published build that matches every other input.
-        verdict = find_portable_match(layout, spec.name, arch_tag(arch), inputs.portable_key())
+        verdict = find_covering_entry(layout, inputs, portable=True)
         if _usable(verdict, distrust_sha):
             logger.info("JIT cache hit: %s (no nvcc here; matched without the toolchain)", verdict.library.parent.name)
-            return _outcome(verdict, "cached", start, arch, portable=True)
+            return _outcome(verdict, "cached", start, _built_for(verdict), portable=True)
         raise JitDisabledError(f"{spec.name}_{arch_tag(arch)}",
                                "no CUDA compiler was found (looked at $CUDA_HOME, $CUDA_PATH, /usr/local/cuda and "
-                               "nvcc on PATH)", layout.root, arch)
+                               "nvcc on PATH)", layout.root, arch, spec.prebuild_options)
     folder = folder_name(spec.name, arch, inputs.key())
     verdict = verify_entry(layout.entry(folder), inputs.key())
     if _usable(verdict, distrust_sha):
         logger.info("JIT cache hit: %s", folder)
         return _outcome(verdict, "cached", start, arch)
+    covering = find_covering_entry(layout, inputs)
+    if _usable(covering, distrust_sha):
+        logger.info("JIT cache hit: %s (built for more archs than %s)", covering.library.parent.name, arch_tag(arch))
+        return _outcome(covering, "cached", start, _built_for(covering))
     if config.disable_jit:
         reason = "FLASH_COMPRESS_DISABLE_JIT=1 forbids compiling"
         if verdict.exists:
             reason += f" (the cached entry is broken: {verdict.problem or 'its library failed to load'})"
-        raise JitDisabledError(folder, reason, layout.root, arch)
+        raise JitDisabledError(folder, reason, layout.root, arch, spec.prebuild_options)
     return _build_locked(spec, layout, folder, inputs, nvcc, distrust_sha, start)
 
 

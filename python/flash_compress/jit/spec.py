@@ -43,6 +43,8 @@ class JitSpec:
         include_dirs: passed as ``-I``; their whole contents go into the cache key.
         extra_cuda_cflags: extra nvcc flags.
         extra_ldflags: extra linker flags (given to nvcc's link step).
+        prebuild_options: the options of the command that prebuilds this variant (``errors.PREBUILD_COMMAND``),
+            which a "cannot build here" error prints; not part of the build or its key.
     """
 
     name: str
@@ -51,6 +53,7 @@ class JitSpec:
     include_dirs: tuple[Path, ...] = ()
     extra_cuda_cflags: tuple[str, ...] = ()
     extra_ldflags: tuple[str, ...] = ()
+    prebuild_options: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -75,11 +78,12 @@ class JitSpec:
         object.__setattr__(self, "include_dirs", tuple(Path(p).expanduser().resolve() for p in self.include_dirs))
         object.__setattr__(self, "extra_cuda_cflags", _strings("JitSpec.extra_cuda_cflags", self.extra_cuda_cflags))
         object.__setattr__(self, "extra_ldflags", _strings("JitSpec.extra_ldflags", self.extra_ldflags))
+        object.__setattr__(self, "prebuild_options", _strings("JitSpec.prebuild_options", self.prebuild_options))
 
     def __hash__(self) -> int:
         # The generated __hash__ would choke on the exports dict.
         return hash((self.name, self.headers, tuple(self.exports.items()), self.include_dirs,
-                     self.extra_cuda_cflags, self.extra_ldflags))
+                     self.extra_cuda_cflags, self.extra_ldflags, self.prebuild_options))
 
     def translation_unit(self) -> str:
         """The ``.cu`` source the loader compiles: includes, then one export per function.
