@@ -72,11 +72,27 @@ def test_config_reads_env_at_each_use_and_python_overrides_win(monkeypatch, tmp_
 
 @pytest.mark.parametrize(("var", "value"), [("MAX_JOBS", "zero"), ("MAX_JOBS", "0"),
                                             ("FLASH_COMPRESS_DISABLE_JIT", "maybe"),
-                                            ("FLASH_COMPRESS_JIT_LOCK_TIMEOUT", "-1")])
+                                            ("FLASH_COMPRESS_JIT_LOCK_TIMEOUT", "-1"),
+                                            ("FLASH_COMPRESS_JIT_LOCK_TIMEOUT", "nan"),
+                                            ("FLASH_COMPRESS_JIT_LOCK_TIMEOUT", "inf")])
 def test_config_rejects_bad_values_naming_the_variable(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=var):
         _ = (config.max_jobs, config.disable_jit, config.lock_timeout)
+
+
+def test_a_user_without_a_home_is_told_to_set_the_cache_dir(monkeypatch):
+    """A container running as a uid with no home (no HOME, no passwd entry): platformdirs cannot name a
+    cache folder, and the error says which variable to set."""
+    import platformdirs
+
+    def no_home(*args, **kwargs):
+        raise RuntimeError("could not determine home directory")
+
+    monkeypatch.delenv("FLASH_COMPRESS_CACHE_DIR", raising=False)
+    monkeypatch.setattr(platformdirs, "user_cache_path", no_home)
+    with pytest.raises(ValueError, match="FLASH_COMPRESS_CACHE_DIR .* unset, and this user has no cache folder"):
+        config.resolve_cache_dir()
 
 
 def test_arch_list_resolution_order(monkeypatch):
@@ -228,6 +244,21 @@ def test_nvcc_wrapper_script_on_path_is_used_as_is(monkeypatch, tmp_path):
     assert toolchain.find_nvcc() == wrapper
 
 
+def test_host_compiler_is_the_one_nvcc_runs(monkeypatch, tmp_path):
+    """nvcc runs ``gcc`` from PATH unless NVCC_CCBIN names a compiler or its folder; ``$CXX`` is not its."""
+    for name in ("gcc", "clang++"):
+        (tmp_path / name).write_text("#!/bin/sh\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CXX", "clang++")
+    monkeypatch.delenv("NVCC_CCBIN", raising=False)
+    assert toolchain.host_compiler() == tmp_path / "gcc"
+    monkeypatch.setenv("NVCC_CCBIN", str(tmp_path / "clang++"))
+    assert toolchain.host_compiler() == tmp_path / "clang++"
+    monkeypatch.setenv("NVCC_CCBIN", str(tmp_path))
+    assert toolchain.host_compiler() == tmp_path / "gcc"
+
+
 def test_gencode_flags_name_each_arch():
     assert toolchain.gencode_flags(("9.0", "10.0a")) == [
         "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_100a,code=sm_100a"]
@@ -347,6 +378,23 @@ def test_list_and_clear_entries(tmp_path):
     assert list_entries(tmp_path / "never-made") == [] and clear_cache(tmp_path / "never-made") == []
 
 
+def test_broken_entries_are_listed_as_broken_and_cleared(tmp_path):
+    """An entry whose .so has other bytes of the same size, or whose manifest is unreadable, is still an
+    entry: listed with its problem (name and archs off the folder name), and cleared."""
+    _fake_entry(tmp_path, "alpha_sm90-100a_0000000000000001", "alpha")
+    _fake_entry(tmp_path, "beta_sm90_0000000000000002", "beta")
+    (tmp_path / "alpha_sm90-100a_0000000000000001" / MANIFEST).write_text("{trunc")
+    library = tmp_path / "beta_sm90_0000000000000002" / "beta.so"
+    library.write_bytes(bytes(len(library.read_bytes())))
+    (tmp_path / "failed").mkdir()
+    infos = list_entries(tmp_path)
+    assert [(i.name, i.arch_list, i.intact) for i in infos] == [("alpha", ("9.0", "10.0a"), False),
+                                                                ("beta", ("9.0",), False)]
+    assert "manifest" in infos[0].problem and "sha256" in infos[1].problem
+    assert clear_cache(tmp_path, name_prefix="al") == ["alpha_sm90-100a_0000000000000001"]
+    assert clear_cache(tmp_path) == ["beta_sm90_0000000000000002"] and list_entries(tmp_path) == []
+
+
 def test_status_and_clear_commands_print_tables(tmp_path, capsys):
     from flash_compress.jit import cli
 
@@ -358,6 +406,22 @@ def test_status_and_clear_commands_print_tables(tmp_path, capsys):
     assert "removed alpha_sm90_0000000000000001" in capsys.readouterr().out
     assert cli.status(tmp_path) == 0
     assert "(empty)" in capsys.readouterr().out
+
+
+def test_status_names_a_broken_entry_and_clear_says_when_it_cannot_delete(tmp_path, capsys, monkeypatch):
+    from flash_compress.jit import cache, cli
+
+    entry = _fake_entry(tmp_path, "alpha_sm90_0000000000000001", "alpha")
+    (entry / "alpha.so").write_bytes(b"so bytez")  # same size, other bytes
+    assert cli.status(tmp_path) == 0
+    assert "BROKEN alpha_sm90_0000000000000001: the shared library's sha256" in capsys.readouterr().out
+
+    def denied(layout, path):
+        raise PermissionError(13, "Permission denied", str(tmp_path / ".trash"))
+
+    monkeypatch.setattr(cache, "quarantine", denied)
+    assert cli.clear(tmp_path) == 1
+    assert f"clear: cannot delete from {tmp_path}: Permission denied" in capsys.readouterr().err
 
 
 def test_source_roots_point_at_the_checkout():

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import secrets
 import shutil
 import sys
@@ -363,8 +364,9 @@ def find_covering_entry(layout: CacheLayout, inputs: KeyInputs, *, portable: boo
 @dataclass(frozen=True)
 class JitCacheInfo:
     """One published entry: folder name and path, variant name, archs, full key, bytes on disk,
-    build time (epoch seconds, 0 if unknown), compile seconds, and whether its .so has the
-    recorded size (a quick check, no sha256)."""
+    build time (epoch seconds, 0 if unknown), compile seconds, and ``problem``: ``None`` when it
+    verifies (manifest, size and sha256 of its .so), else what is wrong (a broken entry is listed too,
+    its name and archs read off the folder name when its manifest is unreadable)."""
 
     folder: str
     path: Path
@@ -374,27 +376,44 @@ class JitCacheInfo:
     size: int
     built_at: float
     build_seconds: float
-    intact: bool
+    problem: str | None
+
+    @property
+    def intact(self) -> bool:
+        return self.problem is None
+
+
+def _folder_fields(folder: str) -> tuple[str, tuple[str, ...]] | None:
+    """``(name, archs)`` of a folder named as ``folder_name`` names entries, else ``None``."""
+    parts = folder.rsplit("_", 2)
+    if len(parts) != 3 or not parts[1].startswith("sm") or not parts[0]:
+        return None
+    archs = [re.fullmatch(r"(\d+)(\d)([af]?)", tag) for tag in parts[1][2:].split("-")]
+    return parts[0], tuple(f"{m[1]}.{m[2]}{m[3]}" for m in archs if m)
 
 
 def list_entries(root: Path) -> list[JitCacheInfo]:
-    """Every published entry under ``root``, sorted by folder name."""
+    """Every entry under ``root``, broken ones too, sorted by folder name (each .so is hashed)."""
     entries = []
     for path in sorted(root.iterdir()) if root.is_dir() else ():
-        manifest = read_manifest(path) if path.is_dir() and not path.name.startswith(".") else None
-        if manifest is None:
+        if not path.is_dir() or path.name.startswith("."):
             continue
-        library = path / str(manifest.get("library", ""))
+        manifest = read_manifest(path)
+        fields = _folder_fields(path.name)
+        if manifest is None and fields is None:
+            continue  # not an entry (failed/, or something else's)
+        name, archs = (str(manifest.get("name", "")), tuple(manifest.get("arch_list", ()))) if manifest else fields
+        manifest = manifest or {}
         entries.append(JitCacheInfo(
             folder=path.name,
             path=path,
-            name=str(manifest.get("name", "")),
-            arch_list=tuple(manifest.get("arch_list", ())),
+            name=name,
+            arch_list=archs,
             key=str(manifest.get("key", "")),
             size=sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
             built_at=float(manifest.get("built_at", 0.0)),
             build_seconds=float(manifest.get("build_seconds", 0.0)),
-            intact=library.is_file() and library.stat().st_size == manifest.get("size"),
+            problem=verify_entry(path).problem,
         ))
     return entries
 

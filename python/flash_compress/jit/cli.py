@@ -99,6 +99,9 @@ def status(cache_dir: str | os.PathLike[str] | None = None, match: Callable[[str
          f"{e.build_seconds:.1f}", "ok" if e.intact else "BROKEN")
         for e in entries
     ]))
+    for e in entries:
+        if not e.intact:
+            print(f"BROKEN {e.folder}: {e.problem} (the next load rebuilds it; `clear` deletes it)")
     print(f"{len(entries)} entries, {_size(sum(e.size for e in entries))}")
     return 0
 
@@ -106,9 +109,14 @@ def status(cache_dir: str | os.PathLike[str] | None = None, match: Callable[[str
 def clear(cache_dir: str | os.PathLike[str] | None = None, name_prefix: str | None = None,
           match: Callable[[str], bool] | None = None) -> int:
     """Delete cached builds (all, or those whose variant name starts with ``name_prefix`` and
-    satisfies ``match``). Returns 0."""
+    satisfies ``match``). Returns 0, or 1 where the cache cannot be written."""
     root = config.resolve_cache_dir(cache_dir)
-    for folder in (removed := clear_cache(root, name_prefix, match)):
+    try:
+        removed = clear_cache(root, name_prefix, match)
+    except OSError as exc:
+        print(f"clear: cannot delete from {root}: {exc.strerror or exc} ({exc.filename})", file=sys.stderr)
+        return 1
+    for folder in removed:
         print(f"removed {folder}")
     which = " matching the selection" if name_prefix or match else ""
     print(f"cleared {len(removed)} entries{which} from {root}")

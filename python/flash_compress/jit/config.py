@@ -8,6 +8,7 @@ setting back to the environment.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable
@@ -52,11 +53,20 @@ def _positive(kind: type) -> Callable[[Any], Any]:
         if isinstance(value, bool):
             raise ValueError(f"expected a positive {kind.__name__}")
         number = kind(value)  # ValueError for text that is no number
-        if number <= 0:
-            raise ValueError(f"expected a positive {kind.__name__}")
+        if not 0 < number < math.inf:  # NaN and infinity too
+            raise ValueError(f"expected a positive finite {kind.__name__}")
         return number
 
     return parse
+
+
+def _user_cache_dir() -> Path:
+    """The user cache folder; a container running as a user with no home has none."""
+    try:
+        return platformdirs.user_cache_path("flash_compress", appauthor=False)
+    except (RuntimeError, KeyError, OSError) as exc:
+        raise ValueError(f"FLASH_COMPRESS_CACHE_DIR (config.cache_dir): unset, and this user has no cache folder "
+                         f"to default to ({exc}); set it to a folder for the JIT's builds") from None
 
 
 class _Setting:
@@ -101,8 +111,7 @@ class JitConfig:
       process's build of the same variant (default 1200).
     """
 
-    cache_dir = _Setting("FLASH_COMPRESS_CACHE_DIR", _path,
-                         lambda: platformdirs.user_cache_path("flash_compress", appauthor=False))
+    cache_dir = _Setting("FLASH_COMPRESS_CACHE_DIR", _path, lambda: _user_cache_dir())
     arch_list = _Setting("FLASH_COMPRESS_CUDA_ARCH_LIST", _arch_list, lambda: None)
     verbose = _Setting("FLASH_COMPRESS_JIT_VERBOSE", _bool, lambda: False)
     disable_jit = _Setting("FLASH_COMPRESS_DISABLE_JIT", _bool, lambda: False)

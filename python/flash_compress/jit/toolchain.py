@@ -63,8 +63,12 @@ def find_nvcc() -> Path | None:
 
 
 def host_compiler() -> Path | None:
-    """The host C++ compiler nvcc drives: ``$CXX``, else ``c++`` on ``PATH``."""
-    found = shutil.which(os.environ.get("CXX", "").strip() or "c++")
+    """The host compiler nvcc drives, as nvcc picks it (``nvcc --dryrun`` shows it): ``$NVCC_CCBIN`` (a
+    compiler, or a folder holding ``gcc``), else ``gcc`` on ``PATH``. ``$CXX`` is not nvcc's."""
+    chosen = os.environ.get("NVCC_CCBIN", "").strip() or "gcc"
+    if Path(chosen).is_dir():
+        chosen = str(Path(chosen) / "gcc")
+    found = shutil.which(chosen)
     return Path(found) if found else None
 
 
