@@ -378,6 +378,48 @@ def test_debug_prefill_checks_the_gpu_planner_error_flag(debug_mode):
         fc.prefill(buf, inp, ape, torch.tensor([0], dtype=torch.int32), flagged)
     clean = fc.PrefillPlan(pad, pad.clone(), 4, 4, True, counts=torch.tensor([4, 4, 0], dtype=torch.int32))
     fc.prefill(buf, inp, ape, torch.tensor([0], dtype=torch.int32), clean)
+    short = fc.PrefillPlan(pad, pad.clone(), 4, 4, True, counts=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"argument 'plan': expected counts of shape \[3\].*got \[2\]"):
+        fc.prefill(buf, inp, ape, torch.tensor([0], dtype=torch.int32), short)
+
+
+def test_a_pool_that_requires_grad_is_refused_in_eager_ops_and_compiled_calls():
+    """The calls update the pool in place and have no gradient: eager torch raised about a leaf view, a
+    compiled call updated the leaf silently."""
+    buf, ape, gen = state_pool(slots=4)
+    buf.requires_grad_(True)
+    inp = torch.randn(2, 2 * D, generator=gen)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    calls = {
+        "decode": lambda: fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3)),
+        "op": lambda: torch.ops.flash_compress.decode(buf, inp, torch.empty(2, D), ape, i32(0, 1), i32(3, 3),
+                                                      None, None),
+        "compiled": torch.compile(lambda: fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3)), backend="eager",
+                                  fullgraph=True),
+        "verify": lambda: fc.verify(buf, inp, ape, i32(0, 1), i32(3, 3)),
+    }
+    before = buf.detach().clone()
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="argument 'kv_score_buffer': expected a tensor that does not require"):
+            call()
+        assert torch.equal(buf.detach(), before), name
+
+
+def test_debug_mode_leaves_wrong_shapes_to_the_checks_that_name_them(debug_mode):
+    """Debug mode reads values; a tensor of the wrong rank is the shape checks' to name, not a crash in the
+    value check or a complaint about another argument."""
+    buf, ape, gen = state_pool(slots=4)
+    inp = torch.randn(2, 2 * D, generator=gen)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="argument 'indices'"):
+        fc.decode(buf, inp, ape, i32(0, 9).reshape(1, 2), i32(3, 3))
+    with pytest.raises(ValueError, match="argument 'seq_lens'"):
+        fc.decode(buf, inp, ape, i32(0, 1), i32(3, 0).reshape(1, 2))
+    with pytest.raises(ValueError, match="argument 'kv_score_buffer'"):
+        fc.decode(buf[0, 0, 0], inp, ape, i32(0, 1), i32(3, 3))
+    plan = fc.plan_prefill(torch.tensor([2]), torch.tensor([2]), device="cpu")
+    with pytest.raises(ValueError, match="argument 'indices'"):
+        fc.prefill(buf, inp, ape, i32(0).reshape(1, 1), plan)
 
 
 # ---------------------------------------------------------------------------

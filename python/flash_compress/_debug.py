@@ -44,8 +44,8 @@ else:  # not CPython's os.environ: take the portable, slower road
 def _check_values(values: object, name: str, low: int, high: Optional[int], expected: str) -> None:
     """Every value of the ``[B]`` tensor ``values`` in ``[low, high]`` (``high`` None: no upper bound), or
     ValueError naming the first that is not, saying ``expected ...``."""
-    if not isinstance(values, torch.Tensor) or values.numel() == 0:
-        return  # the kernels' own checks name a wrong type; an empty batch has nothing to check
+    if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.numel() == 0:
+        return  # the kernels' own checks name a wrong type or rank; an empty batch has nothing to check
     host = values.detach().to("cpu", torch.int64)
     bad = host < low if high is None else (host < low) | (host > high)
     if bool(bad.any()):
@@ -60,6 +60,8 @@ def _check_slots(indices: torch.Tensor, name: str, num_slots: int) -> None:
 
 def _check_slot_arguments(kv_score_buffer: torch.Tensor, indices: torch.Tensor,
                           load_indices: Optional[torch.Tensor]) -> None:
+    if not isinstance(kv_score_buffer, torch.Tensor) or kv_score_buffer.dim() != 3:
+        return  # the kernels' own checks name it
     num_slots = kv_score_buffer.shape[0]
     _check_slots(indices, "indices", num_slots)
     if load_indices is not None:
@@ -125,8 +127,10 @@ def check_prefill(
 ) -> None:
     """Slots in range; every non-padding plan row inside the input and the batch, of its pass's kind."""
     _check_slot_arguments(kv_score_buffer, indices, load_indices)
-    batch = indices.shape[0] if isinstance(indices, torch.Tensor) and indices.dim() == 1 else 0
-    num_tokens = kv_score_input.shape[0] if isinstance(kv_score_input, torch.Tensor) and kv_score_input.dim() else 0
+    if not (isinstance(indices, torch.Tensor) and indices.dim() == 1
+            and isinstance(kv_score_input, torch.Tensor) and kv_score_input.dim() == 2):
+        return  # the kernels' own checks name them; the rows cannot be judged against the call without them
+    batch, num_tokens = indices.shape[0], kv_score_input.shape[0]
     _check_plan(compress_plan, "compress_plan", num_tokens, batch, compress=True)
     _check_plan(write_plan, "write_plan", num_tokens, batch, compress=False)
 
@@ -135,6 +139,9 @@ def check_planner_flag(counts: Optional[torch.Tensor]) -> None:
     """A GPU-made plan: the planner's error flag (``counts[2]``) must be 0."""
     if counts is None:
         return
+    if not isinstance(counts, torch.Tensor) or counts.dim() != 1 or counts.numel() != 3:
+        shape = list(counts.shape) if isinstance(counts, torch.Tensor) else type(counts).__name__
+        raise ValueError(f"argument 'plan': expected counts of shape [3] (a GPU-made plan's), got {shape}")
     flag = int(counts[2])
     if flag != 0:
         raise ValueError(

@@ -174,6 +174,9 @@ def _variant(kv_score_buffer: torch.Tensor, head_dim: int, use_pdl: Optional[boo
     if state_dtype is None:
         raise TypeError(f"argument 'kv_score_buffer': expected dtype {' or '.join(STATE_DTYPES)} (the state dtype), "
                         f"got {str(kv_score_buffer.dtype).removeprefix('torch.')}")
+    if kv_score_buffer.requires_grad:
+        raise ValueError("argument 'kv_score_buffer': expected a tensor that does not require grad (the calls "
+                         "update it in place and have no gradient), got requires_grad=True")
     if on_cuda:
         return kernels(head_dim, use_pdl, state_dtype)
     from . import reference
