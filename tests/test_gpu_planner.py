@@ -229,26 +229,32 @@ def test_a_bad_plan_then_a_good_one_into_the_same_buffers(gpu):
 # --- host-side checks of the GPU path ----------------------------------------------------------
 
 
-@pytest.mark.gpu
-def test_gpu_path_argument_errors_raise_and_name_the_argument(gpu):
+def test_gpu_path_argument_errors_raise_and_name_the_argument():
+    """The GPU path's host checks, before its launch: without a GPU, host tensors labelled as CUDA ones
+    stand in for the CUDA arguments (with one, they are CUDA tensors); the wrong-device cases stay on the
+    CPU either way."""
     module = kernels()
-    lens = torch.tensor([3], dtype=torch.int64, device="cuda")
-    plan = lambda m=3, w=ROW_BYTES: torch.zeros(m, w, dtype=torch.uint8, device="cuda")  # noqa: E731
-    counts = torch.zeros(3, dtype=torch.int32, device="cuda")
-    mid_row = torch.zeros(5, ROW_BYTES, dtype=torch.uint8, device="cuda").view(-1)[24:72].view(3, ROW_BYTES)  # 8 bytes off
+    device = "cuda" if cuda_available() else "cpu"
+    cuda = (lambda t: t) if cuda_available() else (lambda t: relabel(t, DL_CUDA))  # noqa: E731
+    host = lambda t: t.cpu()  # noqa: E731
+    lens = torch.tensor([3], dtype=torch.int64, device=device)
+    plan = lambda m=3, w=ROW_BYTES: torch.zeros(m, w, dtype=torch.uint8, device=device)  # noqa: E731
+    counts = torch.zeros(3, dtype=torch.int32, device=device)
+    mid_row = torch.zeros(5, ROW_BYTES, dtype=torch.uint8, device=device).view(-1)[24:72].view(3, ROW_BYTES)
     bad = [
-        ("extend_lens", (lens.double(), lens, plan(), plan(), counts)),
-        ("extend_lens", (lens.reshape(1, 1), lens.reshape(1, 1), plan(), plan(), counts)),
-        ("seq_lens", (lens, lens.to(torch.int16), plan(), plan(), counts)),
-        ("seq_lens", (lens, lens.cpu(), plan(), plan(), counts)),
-        ("seq_lens", (lens, torch.cat([lens, lens]), plan(), plan(), counts)),
-        ("compress_plan", (lens, lens, plan().cpu(), plan(), counts)),
-        ("compress_plan", (lens, lens, plan(3, 15), plan(3, 15), counts)),
-        ("compress_plan", (lens, lens, mid_row, plan(), counts)),
-        ("write_plan", (lens, lens, plan(), plan(2), counts)),
-        ("counts", (lens, lens, plan(), plan(), counts.cpu())),
-        ("counts", (lens, lens, plan(), plan(), counts[:2])),
-        ("counts", (lens, lens, plan(), plan(), counts.float())),
+        ("extend_lens", (cuda(lens.double()), cuda(lens), cuda(plan()), cuda(plan()), cuda(counts))),
+        ("extend_lens", (cuda(lens.reshape(1, 1)), cuda(lens.reshape(1, 1)), cuda(plan()), cuda(plan()),
+                         cuda(counts))),
+        ("seq_lens", (cuda(lens), cuda(lens.to(torch.int16)), cuda(plan()), cuda(plan()), cuda(counts))),
+        ("seq_lens", (cuda(lens), host(lens), cuda(plan()), cuda(plan()), cuda(counts))),
+        ("seq_lens", (cuda(lens), cuda(torch.cat([lens, lens])), cuda(plan()), cuda(plan()), cuda(counts))),
+        ("compress_plan", (cuda(lens), cuda(lens), host(plan()), cuda(plan()), cuda(counts))),
+        ("compress_plan", (cuda(lens), cuda(lens), cuda(plan(3, 15)), cuda(plan(3, 15)), cuda(counts))),
+        ("compress_plan", (cuda(lens), cuda(lens), cuda(mid_row), cuda(plan()), cuda(counts))),  # 8 bytes off
+        ("write_plan", (cuda(lens), cuda(lens), cuda(plan()), cuda(plan(2)), cuda(counts))),
+        ("counts", (cuda(lens), cuda(lens), cuda(plan()), cuda(plan()), host(counts))),
+        ("counts", (cuda(lens), cuda(lens), cuda(plan()), cuda(plan()), cuda(counts[:2]))),
+        ("counts", (cuda(lens), cuda(lens), cuda(plan()), cuda(plan()), cuda(counts.float()))),
     ]
     for name, args in bad:
         with pytest.raises(ERRORS, match=f"'{name}'"):

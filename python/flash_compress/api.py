@@ -219,7 +219,8 @@ def prefill(
         out: ``[N, D]`` float32 (``[plan.compress_plan rows, D]`` when ``compact``) to write into;
             allocated (uninitialised) when None.
         load_indices: ``[B]`` int32 slots to read the prior states from (default ``indices``),
-            for a request that moves slots; read-before-write is race-free.
+            for a request that moves slots. A request may read and write one slot; a slot that one
+            request reads and another writes in the same call races (``docs/USAGE.md`` section 4).
         use_pdl: the variant's programmatic dependent launch (None: on for sm_90+).
         compact: one output row per compress-plan row instead of one per token
             (``docs/SPEC.md`` section 10): an N-token step allocates about N/128 rows.

@@ -3,7 +3,8 @@
 The compilers' ``--version`` outputs go into the cache key. Running them costs tens
 of milliseconds, so the outputs are remembered, in memory and under the cache dir,
 keyed by each binary's real path, size and mtime: a warm load in a fresh process
-runs no subprocess at all.
+runs none of them. (Detecting the GPU's arch may run ``nvidia-smi`` once per process, where
+no arch list is set and torch is not imported or sees no GPU.)
 """
 
 from __future__ import annotations
