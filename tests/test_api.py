@@ -405,6 +405,28 @@ def test_a_pool_that_requires_grad_is_refused_in_eager_ops_and_compiled_calls():
         assert torch.equal(buf.detach(), before), name
 
 
+def test_debug_mode_names_the_slot_races_the_kernels_cannot_see(debug_mode):
+    buf, ape, gen = state_pool(slots=4)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match=r"argument 'indices': expected a distinct slot.*indices\[0\] = indices\[2\] = 1"):
+        fc.decode(buf, torch.randn(3, 2 * D, generator=gen), ape, i32(1, 2, 1), i32(3, 3, 3))
+    prefix = torch.randn(6, 3 * D, generator=gen)
+    with pytest.raises(ValueError, match=r"indices\[0\] = indices\[1\] = 3"):
+        fc.commit(buf, prefix, i32(3, 3), i32(1, 2))
+    fc.commit(buf, prefix, i32(3, 3), i32(0, 2))  # the request that keeps nothing writes nothing
+    # Two requests whose write rows start mid-chunk (they continue 10 and 20 tokens) and swap slots.
+    plan = fc.plan_prefill(torch.tensor([15, 25]), torch.tensor([5, 5]), device="cpu")
+    inp = torch.randn(10, 2 * D, generator=gen)
+    with pytest.raises(ValueError, match=r"argument 'load_indices'.*load_indices\[0\] = indices\[1\] = 2"):
+        fc.prefill(buf, inp, ape, i32(1, 2), plan, load_indices=i32(2, 1))
+    with pytest.raises(ValueError, match=r"'indices'.*two write rows storing to one slot"):
+        fc.prefill(buf, inp, ape, i32(1, 1), plan)
+    fc.prefill(buf, inp, ape, i32(1, 3), plan, load_indices=i32(2, 0))  # a move to free slots is fine
+    # Write rows that start a chunk read nothing: two of them may swap slots.
+    fresh = fc.plan_prefill(torch.tensor([128 + 5, 256 + 5]), torch.tensor([5, 5]), device="cpu")
+    fc.prefill(buf, inp, ape, i32(1, 2), fresh, load_indices=i32(2, 1))
+
+
 def test_debug_mode_leaves_wrong_shapes_to_the_checks_that_name_them(debug_mode):
     """Debug mode reads values; a tensor of the wrong rank is the shape checks' to name, not a crash in the
     value check or a complaint about another argument."""

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .plan_rows import PlanError, check_rows, is_plan_tensor
+from .plan_rows import CHUNK_SIZE, PlanError, check_rows, is_plan_tensor
 
 __all__ = ["check_commit", "check_decode", "check_planner_flag", "check_prefill", "check_verify", "enabled"]
 
@@ -68,15 +68,30 @@ def _check_slot_arguments(kv_score_buffer: torch.Tensor, indices: torch.Tensor,
         _check_slots(load_indices, "load_indices", num_slots)
 
 
+def _check_distinct(slots: list[int], requests: list[int], name: str, what: str) -> None:
+    """``slots[k]`` is the slot of request ``requests[k]``: ValueError naming ``name`` at the first slot two of
+    them share (``what`` says why they must not)."""
+    first: dict[int, int] = {}
+    for slot, b in zip(slots, requests):
+        if slot in first:
+            raise ValueError(f"argument '{name}': expected a distinct slot per request ({what}), got "
+                             f"{name}[{first[slot]}] = {name}[{b}] = {slot}")
+        first[slot] = b
+
+
 def check_decode(
     kv_score_buffer: torch.Tensor,
     indices: torch.Tensor,
     seq_lens: torch.Tensor,
     load_indices: Optional[torch.Tensor],
 ) -> None:
-    """Slots in range and every ``seq_len >= 1`` (the new token's position is ``seq_len - 1``)."""
+    """Slots in range, every ``seq_len >= 1`` (the new token's position is ``seq_len - 1``), and no slot shared
+    by two requests (each reads and writes its own)."""
     _check_slot_arguments(kv_score_buffer, indices, load_indices)
     _check_values(seq_lens, "seq_lens", 1, None, "every seq_len >= 1")
+    if isinstance(indices, torch.Tensor) and indices.dim() == 1:
+        _check_distinct(indices.tolist(), list(range(indices.shape[0])), "indices",
+                        "two requests on one slot race")
 
 
 def _window(rows: Optional[int], indices: object) -> int:
@@ -109,12 +124,19 @@ def check_commit(kv_score_buffer: torch.Tensor, prefix_states: torch.Tensor, ind
     window = _window(_rows(prefix_states), indices)
     if window:
         _check_values(accept_lens, "accept_lens", 0, window, f"every accepted length in [0, T = {window}]")
+        if isinstance(accept_lens, torch.Tensor) and accept_lens.shape == indices.shape:
+            committing = [b for b, a in enumerate(accept_lens.tolist()) if a >= 1]
+            slots = indices.tolist()
+            _check_distinct([slots[b] for b in committing], committing, "indices",
+                            "two requests committing to one slot race")
 
 
-def _check_plan(plan: torch.Tensor, name: str, num_tokens: int, batch: int, compress: bool) -> None:
-    if not is_plan_tensor(plan) or plan.shape[0] == 0:
-        return  # the kernels' own checks name a wrong type, dtype or shape; an empty plan has no rows
-    check_rows(plan, name, num_tokens=num_tokens, batch=batch, compress=compress)
+def _check_plan(plan: torch.Tensor, name: str, num_tokens: int, batch: int, compress: bool) -> Optional[torch.Tensor]:
+    """The plan's live rows (decoded) once they fit the call; None where the kernels' own checks name a wrong
+    type, dtype or shape."""
+    if not is_plan_tensor(plan):
+        return None
+    return check_rows(plan, name, num_tokens=num_tokens, batch=batch, compress=compress)
 
 
 def check_prefill(
@@ -132,7 +154,24 @@ def check_prefill(
         return  # the kernels' own checks name them; the rows cannot be judged against the call without them
     batch, num_tokens = indices.shape[0], kv_score_input.shape[0]
     _check_plan(compress_plan, "compress_plan", num_tokens, batch, compress=True)
-    _check_plan(write_plan, "write_plan", num_tokens, batch, compress=False)
+    write_rows = _check_plan(write_plan, "write_plan", num_tokens, batch, compress=False)
+    if write_rows is None or not len(write_rows):
+        return
+    # The write pass runs its rows at once: each reads its request's prior state (a segment that starts
+    # mid-chunk) while the others store theirs.
+    stores = indices.tolist()
+    loads = stores if load_indices is None or load_indices.shape != indices.shape else load_indices.tolist()
+    writers = [int(row[1]) for row in write_rows]
+    _check_distinct([stores[b] for b in writers], writers, "indices", "two write rows storing to one slot race")
+    written = {stores[b]: b for b in writers}
+    for row in write_rows.tolist():
+        _, b, position, window_len = row
+        reads_prior = position % CHUNK_SIZE + 1 > window_len
+        if reads_prior and written.get(loads[b], b) != b:
+            other = written[loads[b]]
+            raise ValueError(f"argument 'load_indices': expected no request to read a slot another request of the "
+                             f"call writes (the write pass reads and stores at once), got load_indices[{b}] = "
+                             f"indices[{other}] = {loads[b]}")
 
 
 def check_planner_flag(counts: Optional[torch.Tensor]) -> None:
