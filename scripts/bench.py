@@ -9,7 +9,11 @@ replays of many launches (launch gaps would dominate otherwise). Prefill
 rows time one call between events, which includes the host's call and launch
 latency (8.0 to 10.7 us per call in docs/PERFORMANCE.md's run); the "in graph"
 rows (prefill, and decode at large batch) replay a graph of 10 calls and give
-the kernels' own time. "% of copy" is the bytes that must cross HBM once
+the kernels' own time. Those replays read the same tensors call after call, so
+a case smaller than the L2 partly runs from it; the "cold" rows replay a graph
+whose calls cycle through enough copies of the data to span twice the L2, so
+each call reads its data from HBM, as an engine's new tokens are (cases too
+small to fill that with 256 copies have no cold row). "% of copy" is the bytes that must cross HBM once
 (inputs read, outputs and states written, prior states read) over the time,
 divided by the rate of a large device-to-device copy measured in the same run
 (bytes read plus written); state bytes count at the state dtype's size, so a
@@ -23,6 +27,7 @@ planner.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -78,6 +83,35 @@ def graph_median_ms(fn, launches: int = 100, iters: int = 30) -> float:
         for _ in range(launches):
             fn()
     return median_ms(graph.replay, iters=iters) / launches
+
+
+def l2_bytes() -> int:
+    """The GPU's L2 size (50 MiB on an H200, the fallback where torch does not say)."""
+    return int(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 50 * 2**20))
+
+
+#: Most copies of a case's data a cold graph cycles through; a case smaller than twice the L2 over this is
+#: latency-bound, and its cold row is left out.
+MOST_COPIES = 256
+
+
+def cold_copies(case_bytes: int, l2: int) -> int:
+    """Copies of a case's data a graph must cycle through so that no call finds its data in L2 from an
+    earlier call: enough to span twice the L2 (at least 1); 0 where that takes more than MOST_COPIES."""
+    copies = max(1, -(-2 * l2 // max(case_bytes, 1)))
+    return copies if copies <= MOST_COPIES else 0
+
+
+def cold_graph_median_ms(calls) -> float:
+    """Median time of one call, from replays of a graph whose launches cycle through ``calls``, each on
+    its own copy of the data (``cold_copies``), so that each reads its data from HBM as an engine's
+    fresh step does, not from L2 where the previous replay left it."""
+    position = itertools.count()
+
+    def next_call():
+        calls[next(position) % len(calls)]()
+
+    return graph_median_ms(next_call, launches=max(10, len(calls)), iters=20)
 
 
 def copy_gbps() -> float:
@@ -228,7 +262,9 @@ def run(args) -> list[Row]:
     planner = flash_compress.c128_online.load_planner()
     gen = torch.Generator().manual_seed(0)
     ceiling = copy_gbps()
-    print(f"device: {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s (read + write)")
+    l2 = l2_bytes()
+    print(f"device: {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s (read + write), "
+          f"L2 {l2 / 2**20:.0f} MiB")
     rows: list[Row] = []
 
     def add(case, impl, ms, traffic, state_dtype=torch.float32):
@@ -256,6 +292,14 @@ def run(args) -> list[Row]:
             # The kernels alone: a single call's events also hold its host and launch latency.
             add(f"prefill {name}", f"{impl} in graph", graph_median_ms(lambda: call(own_exact), launches=10, iters=20),
                 traffic, state_dtype)
+            copies = cold_copies(traffic.bytes(state_dtype), l2)
+            if copies:
+                cold = [(state, d["input"], d["out"])] + [
+                    (state.clone(), d["input"].clone(), torch.empty_like(d["out"])) for _ in range(copies - 1)]
+                calls = [lambda m=impl_module, c=c: m.run_prefill(c[0], c[1], c[2], d["ape"], d["indices"], *own_exact,
+                                                                 None) for c in cold]
+                add(f"prefill {name}", f"{impl} in graph, cold", cold_graph_median_ms(calls), traffic, state_dtype)
+                del cold, calls
             del state
         if not random_prefix and not singles and not args.skip_torch:
             out_rows = torch.empty(batch * extend // CHUNK_SIZE, head_dim, device="cuda")
@@ -284,6 +328,14 @@ def run(args) -> list[Row]:
             add(case, impl, graph_median_ms(call) if in_graph else median_ms(call), traffic, state_dtype)
             if not in_graph:  # the kernel alone, as the prefill rows' "in graph"
                 add(case, f"{impl} in graph", graph_median_ms(call, launches=10, iters=20), traffic, state_dtype)
+            copies = cold_copies(traffic.bytes(state_dtype), l2) if in_graph else 0
+            if copies:
+                state, tokens, out = impl_args[:3]
+                cold = [impl_args] + [(state.clone(), tokens.clone(), torch.empty_like(out), *impl_args[3:])
+                                      for _ in range(copies - 1)]
+                calls = [lambda m=impl_module, c=c: m.run_decode(*c, None) for c in cold]
+                add(case, f"{impl} cold", cold_graph_median_ms(calls), traffic, state_dtype)
+                del cold, calls
             del impl_args
         if not args.skip_torch:
             add(case, "torch eager", graph_median_ms(eager, launches=10) if in_graph else median_ms(eager, iters=20),
@@ -306,9 +358,13 @@ def verify_case(head_dim, batch, window, device="cuda"):
     seq_lens = torch.randint(window + 1, 100000, (batch,), dtype=torch.int32).to(device)
     prefix = torch.empty(tokens, 3 * head_dim, device=device)
     accept = torch.randint(1, window + 1, (batch,), dtype=torch.int32).to(device)
-    # Verify reads every input row and the committed states and writes every prefix state;
-    # commit reads one prefix state per request and writes its slot.
-    verify_traffic = Traffic(4 * tokens * 2 * head_dim, 3 * head_dim * (batch + tokens))
+    # Verify reads every input row and the committed state of every request whose window does not start
+    # a chunk, writes every prefix state and the row of every token that closes a chunk; commit reads one
+    # prefix state per request and writes its slot.
+    first = (seq_lens.long().cpu() - window) % CHUNK_SIZE
+    state_reads = int((first != 0).sum())
+    closing = int(sum(((first + j) % CHUNK_SIZE == CHUNK_SIZE - 1).sum() for j in range(window)))
+    verify_traffic = Traffic(4 * head_dim * (tokens * 2 + closing), 3 * head_dim * (state_reads + tokens))
     commit_traffic = Traffic(0, 3 * head_dim * 2 * batch)
     return (state, inputs, out, ape, indices, seq_lens, prefix), accept, verify_traffic, commit_traffic
 

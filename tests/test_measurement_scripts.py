@@ -101,3 +101,14 @@ def test_slice_widths_prints_every_bench_case_with_a_width_and_a_grid_that_fits(
     for line in lines[1:]:
         passes = re.findall(r"x (\d+): (\d+) blocks", line)
         assert passes and all(int(w) in (8, 16, 32, 64) and 0 < int(b) <= 1056 for w, b in passes), line
+
+
+def test_cold_rows_cycle_through_enough_copies_to_span_twice_the_l2():
+    bench = load_script("slice_widths").bench  # imported as a module (its dataclasses need one)
+    l2 = 50 * 2**20
+    assert bench.cold_copies(534_196_224, l2) == 1  # decode B=32768 at head_dim 512: larger than the L2
+    assert bench.cold_copies(9_465_856, l2) == 12  # 1 x 2048 + 63 x 1: 12 copies, 113.6 MB
+    for case_bytes in (37_863_424, 9_465_856, 500_000):
+        copies = bench.cold_copies(case_bytes, l2)
+        assert copies * case_bytes >= 2 * l2 > (copies - 1) * case_bytes
+    assert bench.cold_copies(2 * l2 // bench.MOST_COPIES - 1, l2) == 0  # too small: latency-bound, no cold row
