@@ -352,6 +352,27 @@ def test_verify_entry_catches_truncation_and_corruption(tmp_path):
     assert not verify_entry(tmp_path / "absent").exists
 
 
+def test_a_shared_cache_root_keeps_its_folders_and_locks_writable_by_every_user(tmp_path):
+    """A root writable by its group or others (one cache several users build into): the folders the cache
+    makes take the root's bits and lock files are writable by all, whatever the builder's umask; a private
+    root keeps the umask's."""
+    old_umask = os.umask(0o022)
+    try:
+        for mode, folder_mode, lock_mode in ((0o2775, 0o2775, 0o666), (0o755, 0o755, 0o644)):
+            root = tmp_path / oct(mode)
+            root.mkdir()
+            root.chmod(mode)
+            layout = CacheLayout(root)
+            lock = layout.lock("v_sm90_0", timeout=5)
+            with lock:
+                assert stat.S_IMODE((root / ".locks" / "v_sm90_0.lock").stat().st_mode) == lock_mode
+            layout.new_staging("v")
+            for made in (root / ".locks", root / ".staging"):
+                assert stat.S_IMODE(made.stat().st_mode) == folder_mode, made
+    finally:
+        os.umask(old_umask)
+
+
 def test_publish_first_writer_wins(tmp_path):
     layout = CacheLayout(tmp_path)
     first, second = layout.new_staging("v"), layout.new_staging("v")

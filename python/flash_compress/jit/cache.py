@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
 from .spec import JitSpec
 from .toolchain import arch_tag, host_compiler, tool_version
 
@@ -207,9 +209,37 @@ class CacheLayout:
     def failed_log(self, folder: str) -> Path:
         return self.failed / f"{folder}.log"
 
+    def shared_mode(self) -> int | None:
+        """The root's permission bits where its group or others may write in it (a cache several users
+        build into), else ``None``."""
+        try:
+            mode = self.root.stat().st_mode & 0o7777
+        except OSError:
+            return None
+        return mode if mode & 0o022 else None
+
+    def make_dir(self, path: Path) -> Path:
+        """``mkdir -p`` a folder of the cache's own (locks, staging, trash, failed logs). In a shared root it
+        gets the root's permission bits, which a builder's umask would otherwise narrow to its own user."""
+        shared = self.shared_mode()
+        missing = [p for p in (path, *path.parents) if not p.exists() and self.root in p.parents]
+        path.mkdir(parents=True, exist_ok=True)
+        for created in missing if shared is not None else ():
+            try:
+                created.chmod(shared)
+            except OSError:  # made by another user meanwhile: theirs to set
+                pass
+        return path
+
+    def lock(self, folder: str, timeout: float) -> FileLock:
+        """The OS lock of ``folder``'s builds; in a shared root its file is writable by every user (a lock
+        file only one user could open would stop every other one from building)."""
+        path = self.make_dir(self.root / ".locks") / f"{folder}.lock"
+        return FileLock(str(path), timeout=timeout, mode=0o666 if self.shared_mode() is not None else 0o644)
+
     def new_staging(self, folder: str) -> Path:
         """A fresh private staging folder for a build of ``folder``."""
-        self.staging_root.mkdir(parents=True, exist_ok=True)
+        self.make_dir(self.staging_root)
         path = self.staging_root / f"{folder}.{os.getpid()}.{secrets.token_hex(4)}"
         path.mkdir()
         return path
@@ -295,7 +325,7 @@ def quarantine(layout: CacheLayout, entry: Path) -> None:
 
     A process that already mapped the .so keeps its mapping.
     """
-    layout.trash.mkdir(parents=True, exist_ok=True)
+    layout.make_dir(layout.trash)
     aside = layout.trash / f"{entry.name}.{os.getpid()}.{secrets.token_hex(4)}"
     try:
         os.rename(entry, aside)

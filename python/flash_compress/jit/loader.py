@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from filelock import FileLock, Timeout
+from filelock import Timeout
 
 from .build import compile_in_staging
 from .cache import (
@@ -93,8 +93,7 @@ def _build_locked(spec: JitSpec, layout: CacheLayout, folder: str, inputs, nvcc:
     """Step 2; the caller already missed."""
     entry, lock_path = layout.entry(folder), layout.lock_path(folder)
     try:
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(str(lock_path), timeout=config.lock_timeout)
+        lock = layout.lock(folder, config.lock_timeout)
         lock.acquire()
     except Timeout:
         raise JitLockTimeoutError(folder, lock_path, config.lock_timeout) from None
