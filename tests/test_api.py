@@ -272,7 +272,7 @@ def test_decode_move_arguments_are_checked_before_the_pool_is_touched():
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("yes", True), ("0", False), ("", False), ("off", False),
-                                       (None, False)])
+                                       ("OFF", False), ("False", False), (None, False)])
 def test_debug_flag_is_read_at_call_time(monkeypatch, value, on):
     if value is None:
         monkeypatch.delenv("FLASH_COMPRESS_DEBUG", raising=False)
@@ -355,6 +355,14 @@ def test_debug_prefill_rejects_bad_plan_rows(debug_mode, rows_c, rows_w, words):
     with pytest.raises(ValueError, match=words):
         fc.prefill(buf, inp, ape, torch.tensor([0], dtype=torch.int32), _plan_of(rows_c, rows_w))
     assert torch.equal(buf, before)
+
+
+def test_debug_mode_names_the_first_bad_row(debug_mode):
+    buf, ape, gen = state_pool()
+    inp = torch.randn(130, 2 * D, generator=gen)
+    with pytest.raises(ValueError, match=r"got \(200, 0, 127, 128\)"):
+        fc.prefill(buf, inp, ape, torch.tensor([0], dtype=torch.int32),
+                   _plan_of([(200, 0, 127, 128), (201, 0, 127, 128)], []))
 
 
 def test_debug_prefill_skips_padding_rows_and_checks_slots(debug_mode):

@@ -507,3 +507,69 @@ def test_planner_large_random_batch():
     for graph in (False, True):
         counts, cp, wp = plan_with(ref, extend, seq, graph)
         check_plan_invariants(extend, seq, counts, cp, wp, graph)
+
+
+# ---------------------------------------------------------------------------
+# Cases an audit's mutants survived (nineteenth session): each test fails on one of them.
+# ---------------------------------------------------------------------------
+
+
+def test_compact_output_keeps_a_skipped_rows_place():
+    """Compress-plan row i's result goes to output row i even where an earlier row is skipped: request 0's
+    chunk needs a prior state from a slot outside the pool, so row 0 stays poisoned and row 1 still gets
+    request 1's chunk (not shifted up into row 0)."""
+    d = 64
+    gen = torch.Generator().manual_seed(11)
+    pool, ape = torch.randn(3, 1, 3 * d, generator=gen), torch.randn(CHUNK_SIZE, d, generator=gen)
+    extend, seq = [100, 128], [200, 128]
+    x = torch.randn(sum(extend), 2 * d, generator=gen)
+    cp, wp = (torch.zeros(sum(extend), ROW_BYTES, dtype=torch.uint8) for _ in range(2))
+    num_compress, num_write = ref.plan_online_prefill(torch.tensor(extend), torch.tensor(seq), cp, wp, False)
+    assert num_compress == 2
+    cp, wp = cp[:num_compress], wp[:num_write]
+    indices, load = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([-1, 1], dtype=torch.int32)
+    compact = torch.full((2, d), float("nan"))
+    ref.run_prefill_compact(pool.clone(), x, compact, ape, indices, cp, wp, load)
+    full = torch.full((sum(extend), d), float("nan"))
+    ref.run_prefill(pool.clone(), x, full, ape, indices, cp, wp, load)
+    assert torch.isnan(compact[0]).all()
+    assert torch.equal(compact[1], full[int(decode_rows(cp)[1, 0])])
+
+
+@pytest.mark.parametrize("run", ["prefill", "decode"])
+def test_the_naive_bf16_store_is_a_plain_cast_of_each_field(run):
+    """``exact_bf16_stores=False`` stores bf16 casts of max, sum and kv as they are: here the float32 pool's
+    values (the same tokens) cast, where the default scheme re-expresses the sum against the rounded max."""
+    d = 64
+    gen = torch.Generator().manual_seed(5)
+    pool32 = torch.randn(2, 1, 3 * d, generator=gen).abs()
+    ape = torch.randn(CHUNK_SIZE, d, generator=gen)
+    start = pool32.to(torch.bfloat16).float()  # a state both pools hold exactly
+    stored = {}
+    for name, dtype, exact in (("f32", torch.float32, True), ("naive", torch.bfloat16, False),
+                               ("exact", torch.bfloat16, True)):
+        pool = start.to(dtype, copy=True)
+        kwargs = {} if dtype == torch.float32 else {"exact_bf16_stores": exact}
+        indices = torch.tensor([0, 1], dtype=torch.int32)
+        if run == "prefill":
+            extend, seq = [30, 40], [50, 60]  # both continue a chunk and store a state
+            cp, wp = (torch.zeros(70, ROW_BYTES, dtype=torch.uint8) for _ in range(2))
+            num_c, num_w = ref.plan_online_prefill(torch.tensor(extend), torch.tensor(seq), cp, wp, False)
+            x = torch.randn(70, 2 * d, generator=torch.Generator().manual_seed(6))
+            ref.run_prefill(pool, x, torch.empty(70, d), ape, indices, cp[:num_c], wp[:num_w], **kwargs)
+        else:
+            x = torch.randn(2, 2 * d, generator=torch.Generator().manual_seed(6))
+            ref.run_decode(pool, x, torch.empty(2, d), ape, indices, torch.tensor([50, 60], dtype=torch.int32),
+                           **kwargs)
+        stored[name] = pool
+    assert torch.equal(stored["naive"].view(torch.int16), stored["f32"].to(torch.bfloat16).view(torch.int16))
+    assert not torch.equal(stored["exact"], stored["naive"])
+
+
+def test_a_sum_of_exactly_max_length_is_a_plan_the_planner_takes():
+    """``MAX_LENGTH`` tokens in all is allowed: a 1-row plan is refused for its row count, not for the sum."""
+    from flash_compress.plan_rows import MAX_LENGTH
+
+    lengths = torch.tensor([MAX_LENGTH], dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"argument 'compress_plan': expected \[sum\(extend_lens\), 16\] = \[4294967294"):
+        ref.plan_online_prefill(lengths, lengths, *_plans(1), False)
