@@ -49,9 +49,11 @@ struct DecodeLayout {
   /// B=4096 3.65 -> 2.97 us, head_dim 1024 B=512 3.68 -> 3.05 us, head_dim 512
   /// within 1%; docs/PERF_LOG.md). Only where the lanes per request are a
   /// power of two: other head dims spill at 32 registers. float32 states
-  /// spill there too, and measured slower.
+  /// spill there too, and measured slower. Elsewhere three quarters of an
+  /// SM (40 registers), what the kernel took before add_token moved its
+  /// divisions last (46 registers unbounded).
   static constexpr bool kFullOccupancy = !std::is_same_v<StateT, float> && (kLanes & (kLanes - 1)) == 0;
-  static constexpr uint32_t kMinBlocksPerSM = kFullOccupancy ? 2048 / kMaxThreads : 1;
+  static constexpr uint32_t kMinBlocksPerSM = kFullOccupancy ? 2048 / kMaxThreads : 1536 / kMaxThreads;
 };
 
 /// \brief What one thread reads for one request's 4 channels.

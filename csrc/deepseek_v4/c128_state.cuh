@@ -195,16 +195,21 @@ SGL_DEVICE SoftmaxState first_token_state(const Vec& s, const Vec& v) {
 /// \brief `old` followed by one token (biased score `s`, value `v`).
 SGL_DEVICE SoftmaxState add_token(const SoftmaxState& old, const Vec& s, const Vec& v) {
   SoftmaxState out;
+  Vec weighted_kv;
 #pragma unroll
   for (uint32_t c = 0; c < kVecWidth; ++c) {
     const float max = fmaxf(old.max[c], s[c]);
     const float old_weight = old.sum[c] * expf(old.max[c] - max);
     const float new_weight = expf(s[c] - max);
-    const float sum = old_weight + new_weight;
     out.max[c] = max;
-    out.sum[c] = sum;
-    out.kv[c] = (old.kv[c] * old_weight + v[c] * new_weight) / sum;
+    out.sum[c] = old_weight + new_weight;
+    weighted_kv[c] = old.kv[c] * old_weight + v[c] * new_weight;
   }
+  // The divisions come last: each ends in a branch (its slow path), which
+  // the compiler does not move work across, so with a division per channel
+  // the channels' exponentials ran one channel after another.
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) out.kv[c] = weighted_kv[c] / out.sum[c];
   return out;
 }
 
