@@ -430,6 +430,8 @@ def test_debug_mode_names_the_slot_races_the_kernels_cannot_see(debug_mode):
     with pytest.raises(ValueError, match=r"'indices'.*two write rows storing to one slot"):
         fc.prefill(buf, inp, ape, i32(1, 1), plan)
     fc.prefill(buf, inp, ape, i32(1, 3), plan, load_indices=i32(2, 0))  # a move to free slots is fine
+    with pytest.raises(TypeError, match="argument 'load_indices': expected a torch.Tensor, got list"):
+        fc.prefill(buf, inp, ape, i32(1, 2), plan, load_indices=[2, 1])  # named by the checks, not a crash
     # Write rows that start a chunk read nothing: two of them may swap slots.
     fresh = fc.plan_prefill(torch.tensor([128 + 5, 256 + 5]), torch.tensor([5, 5]), device="cpu")
     fc.prefill(buf, inp, ape, i32(1, 2), fresh, load_indices=i32(2, 1))

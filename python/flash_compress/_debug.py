@@ -147,7 +147,8 @@ def check_prefill(
     write_plan: torch.Tensor,
     load_indices: Optional[torch.Tensor],
 ) -> None:
-    """Slots in range; every non-padding plan row inside the input and the batch, of its pass's kind."""
+    """Slots in range; every non-padding plan row inside the input and the batch, of its pass's kind; no two
+    write rows storing to one slot, and no write row reading a slot another one stores to."""
     _check_slot_arguments(kv_score_buffer, indices, load_indices)
     if not (isinstance(indices, torch.Tensor) and indices.dim() == 1
             and isinstance(kv_score_input, torch.Tensor) and kv_score_input.dim() == 2):
@@ -160,7 +161,10 @@ def check_prefill(
     # The write pass runs its rows at once: each reads its request's prior state (a segment that starts
     # mid-chunk) while the others store theirs.
     stores = indices.tolist()
-    loads = stores if load_indices is None or load_indices.shape != indices.shape else load_indices.tolist()
+    if isinstance(load_indices, torch.Tensor) and load_indices.shape == indices.shape:
+        loads = load_indices.tolist()
+    else:
+        loads = stores  # None (the default), or wrong: the kernels' own checks name it
     writers = [int(row[1]) for row in write_rows]
     _check_distinct([stores[b] for b in writers], writers, "indices", "two write rows storing to one slot race")
     written = {stores[b]: b for b in writers}
