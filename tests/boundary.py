@@ -55,6 +55,7 @@ __all__ = [
     "call",
     "overlapping_pairs",
     "relabel",
+    "resized",
     "sharing_memory",
     "valid_values",
 ]
@@ -90,6 +91,33 @@ class _Relabelled:
         ctypes.c_int32.from_address(address + 8).value = self.device_type
         ctypes.c_int32.from_address(address + 12).value = self.device_id
         return capsule
+
+
+class _Resized(_Relabelled):
+    """``_Relabelled`` whose capsule also claims other sizes (the same rank) over the tensor's memory."""
+
+    def __init__(self, tensor: torch.Tensor, sizes: tuple[int, ...], device_type: int) -> None:
+        super().__init__(tensor, device_type, 0)
+        self.sizes = sizes
+
+    def __dlpack__(self, **kwargs: Any):
+        capsule = super().__dlpack__(**kwargs)
+        # DLTensor { void* data; DLDevice device; int32 ndim; DLDataType dtype; int64* shape; ... }.
+        shape_at = ctypes.c_void_p.from_address(_get_pointer(capsule, b"dltensor") + 24).value
+        shape = ctypes.cast(shape_at, ctypes.POINTER(ctypes.c_int64))
+        for i, size in enumerate(self.sizes):
+            shape[i] = size
+        return capsule
+
+
+def resized(tensor: torch.Tensor, sizes: tuple[int, ...], device_type: int = DL_CUDA):
+    """A ``tvm_ffi.Tensor`` over ``tensor``'s memory that claims ``sizes`` (same rank; huge or negative ones
+    too) on ``device_type``: for checks that must refuse a call before anything reads it. Host memory
+    labelled as a GPU's: never let a call with it reach a launch on a real GPU."""
+    import tvm_ffi
+
+    assert len(sizes) == tensor.dim()
+    return tvm_ffi.from_dlpack(_Resized(tensor, tuple(sizes), device_type))
 
 
 def relabel(tensor: torch.Tensor, device_type: int, device_id: int = 0):

@@ -241,6 +241,69 @@ def test_memory_check_edges_compiled(module, function, first, second, overlap):
     assert "argument" not in str(caught.value), caught.value
 
 
+# Sizes no real tensor here could have: host memory claiming them, labelled as CUDA memory. Every case
+# must be refused (or pass every check) before anything reads it; on a GPU a missed check would launch on
+# host pointers, so these run where none is visible.
+needs_no_gpu = pytest.mark.skipif(REAL_GPU, reason="points CUDA-labelled tensors at host memory")
+
+
+def _call_resized(module, function: str, sizes: dict):
+    values = boundary.valid_values()[function]
+    args = []
+    for arg in boundary.FUNCTIONS[function]:
+        value = values[arg.name]
+        if isinstance(value, torch.Tensor):
+            on = boundary.DL_CUDA if arg.on_gpu or function == "plan_online_prefill_counted" else boundary.DL_CPU
+            value = boundary.resized(value, sizes.get(arg.name, tuple(value.shape)), on)
+        args.append(value)
+    return getattr(module, function)(*args)
+
+
+@pytest.mark.nvcc
+@needs_no_gpu
+@pytest.mark.parametrize("function, name, sizes", [
+    ("run_decode", "indices", (-1,)),
+    ("run_prefill", "indices", (-1,)),
+    ("run_prefill", "write_plan", (-1, ROW_BYTES)),
+    ("run_prefill_compact", "kv_score_input", (-1, 2 * boundary.HEAD_DIM)),
+    ("run_commit", "prefix_states", (-3, 3 * boundary.HEAD_DIM)),
+    ("plan_online_prefill", "extend_lens", (-1,)),
+])
+def test_a_negative_size_is_refused(module, function, name, sizes):
+    """DLPack sizes are signed: a producer's negative one passed every upper bound and wrapped to 2^32 - 1
+    in a kernel's unsigned count (found by an audit's probes)."""
+    with pytest.raises(ValueError, match=f"argument '{name}': expected non-negative sizes, got shape"):
+        _call_resized(module, function, {name: sizes})
+
+
+@pytest.mark.nvcc
+@needs_no_gpu
+def test_batches_the_kernels_cannot_count_are_refused(module):
+    """Decode counts requests in 32 bits, a plan row's batch_id is 32-bit: larger batches were cut to their
+    low 32 bits (prefill: 2^32 + 1 requests ran as 1)."""
+    big = 2**31
+    with pytest.raises(ValueError, match=f"argument 'indices': expected at most {2**31 - 1} requests, got {big}"):
+        _call_resized(module, "run_decode", {"kv_score_input": (big, 2 * boundary.HEAD_DIM),
+                                              "kv_compressed_output": (big, boundary.HEAD_DIM),
+                                              "indices": (big,), "seq_lens": (big,)})
+    with pytest.raises(ValueError, match=f"argument 'indices': expected at most 4294967294 requests, got {2**32 + 1}"):
+        _call_resized(module, "run_prefill", {"indices": (2**32 + 1,), "load_indices": (2**32 + 1,)})
+
+
+@pytest.mark.nvcc
+@needs_no_gpu
+def test_the_gpu_planner_takes_plans_over_2_to_the_31_rows_without_counts(module):
+    """Only int32 counts limit the rows to 2^31 - 1 (docs/SPEC.md section 3); without counts the limit is
+    2^32 - 2. Whatever refuses these fake 32 GiB plans later (they overlap in memory), it is not the counts."""
+    lengths = torch.tensor([3], dtype=torch.int64)
+    plans = [torch.zeros(3, ROW_BYTES, dtype=torch.uint8) for _ in range(2)]
+    args = [boundary.resized(t, tuple(t.shape)) for t in (lengths, lengths)]
+    args += [boundary.resized(p, (2**31, ROW_BYTES)) for p in plans]
+    with pytest.raises((ValueError, RuntimeError)) as caught:
+        module.plan_online_prefill_counted(*args, True, None)
+    assert "counts" not in str(caught.value), caught.value
+
+
 # The planner wants contiguous plans anyway, and the compact output of the matrix has one row.
 _REPEATABLE = [(f, w) for f, names in boundary.WRITTEN.items() for w in names
                if f != "plan_online_prefill" and (f, w) != ("run_prefill_compact", "kv_compressed_output")]

@@ -107,6 +107,9 @@ struct C128Online {
     device.set_options<kDLCUDA>();
     const int32_t num_slots =
         Checks::token_step(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices, seq_lens, B, B, device);
+    // The kernel counts requests in 32 bits (and such a batch is terabytes of input).
+    CheckAs("ValueError", B.unwrap() <= std::numeric_limits<int32_t>::max(), "argument 'indices': expected at most ",
+            std::numeric_limits<int32_t>::max(), " requests, got ", B.unwrap());
     verify_apart({{kv_score_buffer, "kv_score_buffer", true},
                   {kv_score_input, "kv_score_input", false},
                   {kv_compressed_output, "kv_compressed_output", true},
@@ -282,6 +285,9 @@ struct C128Online {
     verify_plan(write_plan, num_write, device, "write_plan");
     CheckAs("ValueError", N.unwrap() <= kMaxPlanLength, "argument 'kv_score_input': expected at most ",
             kMaxPlanLength, " rows, got ", N.unwrap());
+    // A plan row's batch_id is 32-bit, and every planned request has a token.
+    CheckAs("ValueError", B.unwrap() <= kMaxPlanLength, "argument 'indices': expected at most ", kMaxPlanLength,
+            " requests, got ", B.unwrap());
     CheckAs("ValueError", num_compress.unwrap() <= kMaxPlanLength, "argument 'compress_plan': expected at most ",
             kMaxPlanLength, " rows, got ", num_compress.unwrap());
     CheckAs("ValueError", num_write.unwrap() <= kMaxPlanLength, "argument 'write_plan': expected at most ",

@@ -168,19 +168,19 @@ inline PlanResult plan_on_device(const tvm::ffi::TensorView& extend_lens, const 
     TensorMatcher({3}).with_device(device).verify(*counts, "counts");
     counts_int64 = !lengths_are_int32(*counts, "counts");
   }
-  verify_apart({{extend_lens, "extend_lens", false},
-                {seq_lens, "seq_lens", false},
-                {compress_plan, "compress_plan", true},
-                {write_plan, "write_plan", true},
-                {counts, "counts", true}});
   const int64_t num_rows = M.unwrap();
   CheckAs("ValueError", B.unwrap() <= kMaxPlanBatch, "argument 'extend_lens': expected at most ", kMaxPlanBatch,
           " requests, got ", B.unwrap());
   CheckAs("ValueError", num_rows <= kMaxPlanLength, "argument 'compress_plan': expected at most ", kMaxPlanLength,
           " rows, got ", num_rows);
-  CheckAs("ValueError", counts_int64 || num_rows <= std::numeric_limits<int32_t>::max(),
+  CheckAs("ValueError", !counts.has_value() || counts_int64 || num_rows <= std::numeric_limits<int32_t>::max(),
           "argument 'counts': int32 counts hold at most 2^31-1 rows, got plans of ", num_rows,
           " rows (pass int64 counts)");
+  verify_apart({{extend_lens, "extend_lens", false},
+                {seq_lens, "seq_lens", false},
+                {compress_plan, "compress_plan", true},
+                {write_plan, "write_plan", true},
+                {counts, "counts", true}});
 
   const GpuPlanParams params{
       .extend_lens = DeviceLengths{data_ptr<const void>(extend_lens), extend_int32},

@@ -240,6 +240,11 @@ class TensorMatcher {
       fail("ValueError", name, "a " + std::to_string(dims_.size()) + "-D tensor of shape " + expected_shape(),
            "a " + std::to_string(tensor.ndim()) + "-D tensor of shape " + actual_shape(tensor));
     }
+    // DLPack's sizes are signed; a producer's negative one would pass every
+    // upper bound below and wrap in a kernel's unsigned arithmetic.
+    for (int32_t i = 0; i < tensor.ndim(); ++i) {
+      if (tensor.size(i) < 0) fail("ValueError", name, "non-negative sizes", "shape " + actual_shape(tensor));
+    }
     // Compare fixed sizes first so that a symbol is never bound by a tensor
     // whose other dimensions are already wrong.
     for (size_t i = 0; i < dims_.size(); ++i) {
