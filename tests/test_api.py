@@ -516,6 +516,31 @@ def test_fake_kernels_run_under_fake_tensor_mode():
         assert torch.ops.flash_compress.prefill(*fake_prefill) is None
 
 
+def test_tensors_without_data_go_through_the_ops_fake_kernels():
+    """Meta tensors, FakeTensorMode and make_fx's fake tracing: the public functions reach the ops (the
+    reference, which reads values, cannot run them)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gen = torch.Generator().manual_seed(8)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    pool, ape = torch.randn(4, 1, 3 * D, generator=gen), torch.randn(CHUNK_SIZE, D, generator=gen)
+    args = (pool, torch.randn(2, 2 * D, generator=gen), ape, i32(0, 1), i32(3, 3))
+
+    def step(buf, x, ape, indices, seq_lens):
+        out, prefix = fc.verify(buf, x, ape, indices, seq_lens)
+        fc.commit(buf, prefix, indices, i32(1, 1))
+        return fc.decode(buf, x, ape, indices, seq_lens + 1), out
+
+    traced = make_fx(step, tracing_mode="fake")(*args)
+    ops = [str(n.target) for n in traced.graph.nodes if str(n.target).startswith("flash_compress.")]
+    assert ops == ["flash_compress.verify.default", "flash_compress.commit.default", "flash_compress.decode.default"]
+    with FakeTensorMode() as mode:
+        rows, out = step(*(mode.from_tensor(a) for a in args))
+        assert rows.shape == (2, D) and out.shape == (2, D)
+    rows, out = step(*(a.to("meta") for a in args))
+    assert rows.is_meta and rows.shape == (2, D)
+
+
 def test_torch_compile_fullgraph_calls_the_ops_and_matches_eager():
     graphs = []
 
