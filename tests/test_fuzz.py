@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flash_compress import reference as ref
@@ -161,3 +161,54 @@ def test_reference_matches_oracle_on_random_schedules(seed, decode_prob, cuda_gr
     run_schedule(ref, head_dim=64, steps=12, seed=seed, decode_prob=decode_prob, cuda_graph=cuda_graph,
                  relocate_prob=relocate_prob, max_requests=max_requests, num_slots=max_requests + 4,
                  max_step_tokens=400)
+
+
+# ---------------------------------------------------------------------------
+# The memory check of the reference (and the torch API's decode move).
+# ---------------------------------------------------------------------------
+
+
+def _element_bytes(view: torch.Tensor, base: torch.Tensor) -> set[int]:
+    """The byte offsets (into ``base``'s storage) of every element of ``view``."""
+    index = torch.arange(base.numel(), dtype=torch.int64).as_strided(view.shape, view.stride(),
+                                                                      view.storage_offset())
+    size = view.element_size()
+    return {int(i) * size + k for i in index.flatten().tolist() for k in range(size)}
+
+
+_views = st.tuples(st.integers(0, 40), st.integers(1, 6), st.integers(1, 6), st.integers(0, 9),
+                   st.integers(0, 9), st.sampled_from(["contiguous", "strided", "expanded"]))
+
+
+def _view(base: torch.Tensor, spec) -> torch.Tensor:
+    offset, rows, cols, row_step, col_step, kind = spec
+    if kind == "contiguous":
+        return base[offset:offset + rows * cols].view(rows, cols)
+    if kind == "expanded":
+        return base[offset:offset + cols].unsqueeze(0).expand(rows, cols)
+    return base.as_strided((rows, cols), (row_step, col_step), offset)
+
+
+@examples(1.0)
+@given(first=_views, second=_views, second_written=st.booleans())
+@example(first=(0, 2, 3, 0, 0, "contiguous"), second=(6, 1, 2, 0, 0, "contiguous"), second_written=True)  # touch
+@example(first=(0, 2, 3, 0, 0, "contiguous"), second=(5, 1, 2, 0, 0, "contiguous"), second_written=False)
+def test_check_apart_never_misses_shared_memory(first, second, second_written):
+    """Against the element sets: two views sharing a byte where one is written are always refused, a
+    written view that repeats an element is always refused, and contiguous views are refused exactly when
+    they share a byte (strided ones may be refused for interleaving)."""
+    from flash_compress._arguments import check_apart
+
+    base = torch.zeros(200)
+    a, b = _view(base, first), _view(base, second)
+    a_bytes, b_bytes = _element_bytes(a, base), _element_bytes(b, base)
+    repeats = lambda view, view_bytes: len(view_bytes) < view.numel() * view.element_size()  # noqa: E731
+    try:
+        check_apart([("first", a, True), ("second", b, second_written)])
+        refused = False
+    except ValueError:
+        refused = True
+    if repeats(a, a_bytes) or (second_written and repeats(b, b_bytes)) or a_bytes & b_bytes:
+        assert refused
+    elif a.is_contiguous() and b.is_contiguous():
+        assert not refused
