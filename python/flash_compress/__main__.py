@@ -91,8 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             print(f"prebuild: {exc}", file=sys.stderr)
             return 2
-        arch_list = tuple(args.arch) if args.arch else None
-        return cli.prebuild(grid, arch_list=arch_list, jobs=args.jobs, cache_dir=args.cache_dir)
+        return cli.prebuild(grid, arch_list=targets, jobs=args.jobs, cache_dir=args.cache_dir)
     if args.command == "status":
         return cli.status(cache_dir=args.cache_dir, match=_state_dtype_filter(args.state_dtype))
     return cli.clear(cache_dir=args.cache_dir, name_prefix=args.name, match=_state_dtype_filter(args.state_dtype))
