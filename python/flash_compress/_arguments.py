@@ -29,18 +29,16 @@ def check_flag(value: object, name: str) -> bool:
 
 def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
     """``[first, last + 1)``, the bytes from the tensor's lowest element to its highest; empty without elements."""
-    if tensor.numel() == 0:
+    if tensor.numel() == 0 or tensor.device.type == "meta":
+        return 0, 0
+    try:
+        start = tensor.data_ptr()
+    except RuntimeError:  # a fake tensor: no memory to share
         return 0, 0
     low = high = 0
     for size, stride in zip(tensor.shape, tensor.stride()):
         reach = (size - 1) * stride
         low, high = low + min(reach, 0), high + max(reach, 0)
-    try:
-        start = tensor.data_ptr()
-    except RuntimeError:  # a fake tensor: no memory to share
-        return 0, 0
-    if tensor.device.type == "meta":
-        return 0, 0
     return start + low * tensor.element_size(), start + (high + 1) * tensor.element_size()
 
 
