@@ -422,9 +422,10 @@ def _folder_fields(folder: str) -> tuple[str, tuple[str, ...]] | None:
     return parts[0], tuple(f"{m[1]}.{m[2]}{m[3]}" for m in archs if m)
 
 
-def list_entries(root: Path) -> list[JitCacheInfo]:
-    """Every entry under ``root``, broken ones too, sorted by folder name (each .so is hashed)."""
-    entries = []
+def _entry_folders(root: Path) -> list[tuple[Path, str, tuple[str, ...], dict[str, Any]]]:
+    """``(path, variant name, archs, manifest)`` of every entry under ``root``, broken ones too (name and
+    archs read off the folder name when the manifest is unreadable; its manifest then ``{}``), sorted."""
+    found = []
     for path in sorted(root.iterdir()) if root.is_dir() else ():
         if not path.is_dir() or path.name.startswith("."):
             continue
@@ -433,8 +434,14 @@ def list_entries(root: Path) -> list[JitCacheInfo]:
         if manifest is None and fields is None:
             continue  # not an entry (failed/, or something else's)
         name, archs = (str(manifest.get("name", "")), tuple(manifest.get("arch_list", ()))) if manifest else fields
-        manifest = manifest or {}
-        entries.append(JitCacheInfo(
+        found.append((path, name, archs, manifest or {}))
+    return found
+
+
+def list_entries(root: Path) -> list[JitCacheInfo]:
+    """Every entry under ``root``, broken ones too, sorted by folder name (each .so is hashed)."""
+    return [
+        JitCacheInfo(
             folder=path.name,
             path=path,
             name=name,
@@ -444,8 +451,9 @@ def list_entries(root: Path) -> list[JitCacheInfo]:
             built_at=float(manifest.get("built_at", 0.0)),
             build_seconds=float(manifest.get("build_seconds", 0.0)),
             problem=verify_entry(path).problem,
-        ))
-    return entries
+        )
+        for path, name, archs, manifest in _entry_folders(root)
+    ]
 
 
 def clear_cache(root: Path, name_prefix: str | None = None, match: Callable[[str], bool] | None = None) -> list[str]:
@@ -458,10 +466,10 @@ def clear_cache(root: Path, name_prefix: str | None = None, match: Callable[[str
     """
     layout = CacheLayout(root)
     removed = []
-    for info in list_entries(root):
-        if (name_prefix is None or info.name.startswith(name_prefix)) and (match is None or match(info.name)):
-            quarantine(layout, info.path)
-            removed.append(info.folder)
+    for path, name, _, _ in _entry_folders(root):  # no need to hash what is deleted
+        if (name_prefix is None or name.startswith(name_prefix)) and (match is None or match(name)):
+            quarantine(layout, path)
+            removed.append(path.name)
     if name_prefix is None and match is None and root.is_dir():
         for path in (layout.failed, root / ".toolchain", layout.trash):
             remove_tree(path)
