@@ -102,6 +102,14 @@ def cold_copies(case_bytes: int, l2: int) -> int:
     return copies if copies <= MOST_COPIES else 0
 
 
+def cold_calls(run, args: tuple, copies: int) -> list:
+    """``copies`` calls of ``run(state, input, out, *rest)``: the first on ``args``, each other on its own
+    copy of the state, input and output (``rest``, small and read-only, is shared)."""
+    state, inputs, out, *rest = args
+    sets = [args] + [(state.clone(), inputs.clone(), torch.empty_like(out), *rest) for _ in range(copies - 1)]
+    return [lambda call_args=call_args: run(*call_args) for call_args in sets]
+
+
 def cold_graph_median_ms(calls) -> float:
     """Median time of one call, from replays of a graph whose launches cycle through ``calls``, each on
     its own copy of the data (``cold_copies``), so that each reads its data from HBM as an engine's
@@ -294,12 +302,10 @@ def run(args) -> list[Row]:
                 traffic, state_dtype)
             copies = cold_copies(traffic.bytes(state_dtype), l2)
             if copies:
-                cold = [(state, d["input"], d["out"])] + [
-                    (state.clone(), d["input"].clone(), torch.empty_like(d["out"])) for _ in range(copies - 1)]
-                calls = [lambda m=impl_module, c=c: m.run_prefill(c[0], c[1], c[2], d["ape"], d["indices"], *own_exact,
-                                                                 None) for c in cold]
+                calls = cold_calls(impl_module.run_prefill,
+                                   (state, d["input"], d["out"], d["ape"], d["indices"], *own_exact, None), copies)
                 add(f"prefill {name}", f"{impl} in graph, cold", cold_graph_median_ms(calls), traffic, state_dtype)
-                del cold, calls
+                del calls
             del state
         if not random_prefix and not singles and not args.skip_torch:
             out_rows = torch.empty(batch * extend // CHUNK_SIZE, head_dim, device="cuda")
@@ -330,12 +336,9 @@ def run(args) -> list[Row]:
                 add(case, f"{impl} in graph", graph_median_ms(call, launches=10, iters=20), traffic, state_dtype)
             copies = cold_copies(traffic.bytes(state_dtype), l2) if in_graph else 0
             if copies:
-                state, tokens, out = impl_args[:3]
-                cold = [impl_args] + [(state.clone(), tokens.clone(), torch.empty_like(out), *impl_args[3:])
-                                      for _ in range(copies - 1)]
-                calls = [lambda m=impl_module, c=c: m.run_decode(*c, None) for c in cold]
+                calls = cold_calls(impl_module.run_decode, (*impl_args, None), copies)
                 add(case, f"{impl} cold", cold_graph_median_ms(calls), traffic, state_dtype)
-                del cold, calls
+                del calls
             del impl_args
         if not args.skip_torch:
             add(case, "torch eager", graph_median_ms(eager, launches=10) if in_graph else median_ms(eager, iters=20),

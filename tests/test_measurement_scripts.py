@@ -112,3 +112,19 @@ def test_cold_rows_cycle_through_enough_copies_to_span_twice_the_l2():
         copies = bench.cold_copies(case_bytes, l2)
         assert copies * case_bytes >= 2 * l2 > (copies - 1) * case_bytes
     assert bench.cold_copies(2 * l2 // bench.MOST_COPIES - 1, l2) == 0  # too small: latency-bound, no cold row
+
+
+def test_cold_calls_run_each_on_its_own_copy_of_state_input_and_output():
+    bench = load_script("slice_widths").bench
+    import torch
+
+    seen = []
+    state, inputs, out, ape = torch.zeros(2, 3), torch.ones(4, 2), torch.zeros(4, 1), torch.ones(1)
+    calls = bench.cold_calls(lambda *args: seen.append(args), (state, inputs, out, ape, None), 3)
+    for call in calls:
+        call()
+    assert len(seen) == 3 and seen[0][0] is state and seen[0][2] is out
+    for args in seen[1:]:
+        assert args[0] is not state and torch.equal(args[0], state) and torch.equal(args[1], inputs)
+        assert args[2].shape == out.shape and args[3] is ape and args[4] is None
+    assert len({args[0].data_ptr() for args in seen}) == 3 and len({args[1].data_ptr() for args in seen}) == 3
