@@ -403,15 +403,18 @@ def overlapping_pairs(function: str) -> list[tuple[str, str]]:
             if earlier in WRITTEN[function] or later in WRITTEN[function]]
 
 
-def sharing_memory(values: dict[str, Any], first: str, second: str, device: str = "cpu") -> dict[str, Any]:
-    """``values`` with ``first`` and ``second`` replaced by views of one buffer on ``device``, both beginning at
-    its first byte (so they overlap), ``second``'s values written last; every other value as it was."""
+def sharing_memory(values: dict[str, Any], first: str, second: str, device: str = "cpu",
+                   overlap: Optional[int] = None) -> dict[str, Any]:
+    """``values`` with ``first`` and ``second`` replaced by views of one buffer on ``device``: ``first`` at
+    its first byte, ``second`` from ``overlap`` bytes before ``first``'s end (None: also at the first byte;
+    0: right after ``first``), ``second``'s values written last; every other value as it was."""
     a, b = values[first], values[second]
-    buffer = torch.empty(max(a.numel() * a.element_size(), b.numel() * b.element_size()), dtype=torch.uint8,
-                         device=device)
+    a_bytes, b_bytes = a.numel() * a.element_size(), b.numel() * b.element_size()
+    second_at = 0 if overlap is None else a_bytes - overlap
+    buffer = torch.empty(max(a_bytes, second_at + b_bytes), dtype=torch.uint8, device=device)
     shared = dict(values)
-    for name, value in ((first, a), (second, b)):
-        view = buffer[: value.numel() * value.element_size()].view(value.dtype).view(value.shape)
+    for name, value, at in ((first, a, 0), (second, b, second_at)):
+        view = buffer[at:at + value.numel() * value.element_size()].view(value.dtype).view(value.shape)
         view.copy_(value)
         shared[name] = view
     return shared

@@ -196,20 +196,6 @@ def test_arguments_only_read_may_share_memory(module):
     assert "argument" not in str(caught.value), f"a host check refused the valid call: {caught.value}"
 
 
-def _edge_views(function: str, first: str, second: str, overlap_bytes: int, device: str = "cpu") -> dict:
-    """The valid values of ``function`` with ``second`` starting ``overlap_bytes`` before the end of
-    ``first`` in one buffer on ``device`` (0: right after it)."""
-    values = boundary.valid_values()[function]
-    a, b = values[first], values[second]
-    a_bytes, b_bytes = a.numel() * a.element_size(), b.numel() * b.element_size()
-    buffer = torch.zeros(a_bytes + b_bytes, dtype=torch.uint8, device=device)
-    start = a_bytes - overlap_bytes
-    values[first] = buffer[:a_bytes].view(a.dtype).view(a.shape)
-    values[second] = buffer[start:start + b_bytes].view(b.dtype).view(b.shape)
-    values[first].copy_(a)
-    return values
-
-
 # The pool's last float32 under the output; the compress plan's last byte under the write plan.
 _EDGES = [("run_decode", "kv_score_buffer", "kv_compressed_output", 4),
           ("plan_online_prefill", "compress_plan", "write_plan", 1)]
@@ -220,8 +206,8 @@ def test_memory_check_edges_reference(function, first, second, overlap):
     """One element (one byte for the uint8 plans) of overlap is refused; tensors that only touch are apart."""
     run = lambda values: getattr(ref, function)(*(values[a.name] for a in boundary.FUNCTIONS[function]))  # noqa: E731
     with pytest.raises(ValueError, match=f"argument '{second}': expected memory apart from '{first}'"):
-        run(_edge_views(function, first, second, overlap))
-    run(_edge_views(function, first, second, 0))
+        run(boundary.sharing_memory(boundary.valid_values()[function], first, second, overlap=overlap))
+    run(boundary.sharing_memory(boundary.valid_values()[function], first, second, overlap=0))
 
 
 @pytest.mark.nvcc
@@ -232,12 +218,12 @@ def test_memory_check_edges_compiled(module, function, first, second, overlap):
     device = "cuda" if REAL_GPU and function != "plan_online_prefill" else "cpu"
     run = lambda values: boundary.call(module, None, function, values, REAL_GPU)  # noqa: E731
     with pytest.raises(ValueError, match=f"argument '{second}': expected memory apart from '{first}'"):
-        run(_edge_views(function, first, second, 16, device))
+        run(boundary.sharing_memory(boundary.valid_values()[function], first, second, device, overlap=16))
     if function == "plan_online_prefill" or REAL_GPU:
-        run(_edge_views(function, first, second, 0, device))
+        run(boundary.sharing_memory(boundary.valid_values()[function], first, second, device, overlap=0))
         return
     with pytest.raises(RuntimeError) as caught:  # every check passed: the launch fails without a GPU
-        run(_edge_views(function, first, second, 0, device))
+        run(boundary.sharing_memory(boundary.valid_values()[function], first, second, device, overlap=0))
     assert "argument" not in str(caught.value), caught.value
 
 
