@@ -228,14 +228,23 @@ def test_a_bad_plan_then_a_good_one_into_the_same_buffers(gpu):
 
 # --- host-side checks of the GPU path ----------------------------------------------------------
 
+# They run before its launch, so where no GPU is visible host tensors labelled as CUDA ones stand in for
+# the CUDA arguments: tensors made on CHECK_DEVICE, passed through on_gpu_path.
+CHECK_DEVICE = "cuda" if cuda_available() else "cpu"
+
+
+def on_gpu_path(tensor: torch.Tensor):
+    """``tensor`` as the GPU path takes it: itself on a GPU, else relabelled as a CUDA tensor."""
+    return tensor if cuda_available() else relabel(tensor, DL_CUDA)
+
+
 
 def test_gpu_path_argument_errors_raise_and_name_the_argument():
     """The GPU path's host checks, before its launch: without a GPU, host tensors labelled as CUDA ones
     stand in for the CUDA arguments (with one, they are CUDA tensors); the wrong-device cases stay on the
     CPU either way."""
     module = kernels()
-    device = "cuda" if cuda_available() else "cpu"
-    cuda = (lambda t: t) if cuda_available() else (lambda t: relabel(t, DL_CUDA))  # noqa: E731
+    device, cuda = CHECK_DEVICE, on_gpu_path
     host = lambda t: t.cpu()  # noqa: E731
     lens = torch.tensor([3], dtype=torch.int64, device=device)
     plan = lambda m=3, w=ROW_BYTES: torch.zeros(m, w, dtype=torch.uint8, device=device)  # noqa: E731
@@ -268,9 +277,7 @@ def test_gpu_path_refuses_outputs_sharing_memory():
     """The GPU path's memory check runs on the host before its launch, so without a GPU host tensors
     labelled as CUDA ones stand in (with one, they are CUDA tensors)."""
     module = kernels()
-    on_gpu = cuda_available()
-    device = "cuda" if on_gpu else "cpu"
-    place = (lambda t: t) if on_gpu else (lambda t: relabel(t, DL_CUDA))  # noqa: E731
+    device, place = CHECK_DEVICE, on_gpu_path
     lens = torch.tensor([3], dtype=torch.int64, device=device)
     rows = torch.zeros(4, ROW_BYTES, dtype=torch.uint8, device=device)
     compress, write = rows[:3], torch.zeros(3, ROW_BYTES, dtype=torch.uint8, device=device)
@@ -286,7 +293,7 @@ def test_gpu_path_refuses_outputs_sharing_memory():
         with pytest.raises(ValueError, match=message):
             module.plan_online_prefill_counted(place(extend), place(seq), place(compress_plan), place(write_plan),
                                                True, None if counts is None else place(counts))
-    if on_gpu:
+    if cuda_available():
         torch.cuda.synchronize()
     assert torch.equal(rows, before)
 
