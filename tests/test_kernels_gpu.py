@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flash_compress
 from flash_compress import reference as ref
 from flash_compress.c128_online import HEAD_DIMS_TESTED
 from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
@@ -118,6 +119,33 @@ def test_decode_and_verify_batches_that_fill_most_of_the_gpu(gpu):
     h.check_live_states()
     assert h.stats.decode_calls == len(sizes) and h.stats.verify_calls == len(sizes)
     assert h.stats.decode_closes > 0 and h.stats.verify_closes > 0
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [128, 512])
+def test_write_passes_of_long_open_chunks_among_one_token_rows(gpu, head_dim, state_dtype):
+    """Write passes of 256 rows in which 1 to 256 requests extend by 17 to 127 tokens (an open-chunk
+    segment longer than two rounds of a warp at 64-channel slices) and the rest by one token: the
+    few-row shape of a long request with decode tokens riding along, and its mixes. Segments from a
+    chunk start and from mid-chunk (a prior state to merge), with exact and CUDA-graph plans (other
+    grids); against the float64 oracle, with poisoned outputs and untouched slots checked bitwise.
+    The shape the pooled write pass of docs/experiments/pooled_write_pass.patch reorganises."""
+    module = flash_compress.load_module(head_dim, use_pdl=True, state_dtype=str(state_dtype).split(".")[1])
+    requests = 256
+    h = ScheduleHarness(module, head_dim=head_dim, device="cuda", seed=31 + head_dim, num_slots=requests + 4,
+                        max_requests=requests, state_dtype=state_dtype)
+    batch = [h.start_request() for _ in range(requests)]
+    long_segments = 0
+    for step, long_count in enumerate((1, 8, 40, 128, 256, 3, 64)):
+        long_ones = set(h.rng.sample(range(requests), long_count))
+        extends = [h.rng.randint(17, 127) if i in long_ones else 1 for i in range(requests)]
+        for r, e in zip(batch, extends):
+            new_tokens_in_open_chunk = min(e, (r.length + e) % CHUNK_SIZE)
+            long_segments += new_tokens_in_open_chunk > 16
+        h.prefill_step([(r, e, None) for r, e in zip(batch, extends)], use_cuda_graph=step % 2 == 1)
+    h.check_live_states()
+    assert long_segments >= 400, long_segments  # 454 at head_dim 128, 462 at 512
+    assert h.stats.prefill_calls == 7
 
 
 def test_planner_from_reference_kernels_from_module(gpu):
