@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import flash_compress
 from flash_compress import reference as ref
 from flash_compress.c128_online import HEAD_DIMS_TESTED
 from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
@@ -24,16 +23,16 @@ pytestmark = pytest.mark.gpu
 HEAD_DIMS = HEAD_DIMS_TESTED
 PDL = (False, True)
 
-_modules: dict[tuple[int, bool], object] = {}
+_modules: dict[tuple[int, bool, str], object] = {}
 
 
-def kernels(head_dim: int, use_pdl: bool):
+def kernels(head_dim: int, use_pdl: bool, state_dtype: str = "float32"):
     """The compiled variant (built once per session, then cached on disk)."""
-    key = (head_dim, use_pdl)
+    key = (head_dim, use_pdl, state_dtype)
     if key not in _modules:
         import flash_compress
 
-        _modules[key] = flash_compress.load_module(head_dim=head_dim, use_pdl=use_pdl)
+        _modules[key] = flash_compress.load_module(head_dim=head_dim, use_pdl=use_pdl, state_dtype=state_dtype)
     return _modules[key]
 
 
@@ -130,7 +129,7 @@ def test_write_passes_of_long_open_chunks_among_one_token_rows(gpu, head_dim, st
     chunk start and from mid-chunk (a prior state to merge), with exact and CUDA-graph plans (other
     grids); against the float64 oracle, with poisoned outputs and untouched slots checked bitwise.
     The shape the pooled write pass of docs/experiments/pooled_write_pass.patch reorganises."""
-    module = flash_compress.load_module(head_dim, use_pdl=True, state_dtype=state_dtype)
+    module = kernels(head_dim, True, state_dtype)
     requests = 256
     h = ScheduleHarness(module, head_dim=head_dim, device="cuda", seed=31 + head_dim, num_slots=requests + 4,
                         max_requests=requests, state_dtype=getattr(torch, state_dtype))
