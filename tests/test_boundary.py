@@ -16,6 +16,7 @@ import torch
 
 import boundary
 from conftest import cuda_available
+from flash_compress import _dispatch
 from flash_compress import reference as ref
 from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
 
@@ -120,6 +121,59 @@ def test_refused_kernel_call_writes_nothing_on_gpu(gpu, case):
     for name, old in watched.items():
         if name != case.arg:
             assert torch.equal(cuda[name].view(torch.int32), old.view(torch.int32)), f"{case.id}: {name} written"
+
+
+# The torch API's functions that call each export, and the name each of the export's arguments has there.
+_DISPATCH = {
+    "run_decode": ("decode_into", {}),
+    "run_prefill": ("prefill_into", {}),
+    "run_prefill_compact": ("prefill_into", {"compact": True}),
+    "run_verify": ("verify_into", {}),
+    "run_commit": ("commit_into", {}),
+}
+_NOT_TENSORS = [(function, arg.name, bad) for function in _DISPATCH for arg in boundary.FUNCTIONS[function]
+                if arg.tensor for bad in ([None, [1, 2]] if not arg.optional else [[1, 2]])]
+
+
+def _dispatch_call(function: str, values: dict) -> None:
+    into, options = _DISPATCH[function]
+    named = {("out" if name == "kv_compressed_output" else name): value for name, value in values.items()
+             if name != "extra"}
+    getattr(_dispatch, into)(**named, **options)
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("function,name,bad", _NOT_TENSORS,
+                         ids=[f"{f}-{n}-{type(b).__name__}" for f, n, b in _NOT_TENSORS])
+def test_torch_api_names_a_non_tensor_that_tvm_ffi_refuses_by_position(module, monkeypatch, function, name, bad):
+    """On CUDA the torch API hands most arguments to the export as they come, and tvm-ffi refuses a None or a
+    list there naming only its position; the API re-raises that naming the argument. (CPU tensors and the
+    compiled module: tvm-ffi converts every argument before the export's own checks run.)"""
+    monkeypatch.setattr(_dispatch, "_compiled", lambda *_: module)
+    monkeypatch.setattr(_dispatch, "_variant", lambda *_: module)
+    values = {**boundary.valid_values()[function], name: bad}
+    api_name = "out" if name == "kv_compressed_output" else name
+    with pytest.raises(TypeError) as caught:
+        _dispatch_call(function, values)
+    assert str(caught.value) == f"argument '{api_name}': expected a torch.Tensor, got {type(bad).__name__}"
+    if function != "run_decode" or name != "load_indices":  # the decode move checks that one itself
+        with pytest.raises(TypeError) as raw:
+            getattr(module, function)(*(values[arg.name] for arg in boundary.FUNCTIONS[function]))
+        assert f"argument '{name}'" not in str(raw.value)  # what the API improves on
+
+
+@pytest.mark.nvcc
+def test_torch_api_passes_other_type_errors_on_as_they_came(module, monkeypatch):
+    """A TypeError the export raises about a tensor (here a float64 state pool) reaches the caller unchanged."""
+    monkeypatch.setattr(_dispatch, "_compiled", lambda *_: module)
+    values = boundary.valid_values()["run_decode"]
+    values["kv_score_buffer"] = values["kv_score_buffer"].double()
+    with pytest.raises(TypeError) as raw:
+        module.run_decode(*(values[arg.name] for arg in boundary.FUNCTIONS["run_decode"]))
+    with pytest.raises(TypeError) as caught:
+        _dispatch_call("run_decode", values)
+    assert str(caught.value) == str(raw.value)
+    assert str(caught.value) == "argument 'kv_score_buffer': expected dtype float32, got dtype float64"
 
 
 OVERLAPS = [(function, earlier, later) for function in boundary.FUNCTIONS

@@ -28,6 +28,12 @@ logger = logging.getLogger("flash_compress")
 _modules: dict[tuple[int, Optional[bool], str], Any] = {}
 #: A state pool's torch dtype -> its variants' ``state_dtype`` (docs/SPEC.md section 8).
 TORCH_STATE_DTYPES: dict[torch.dtype, str] = {getattr(torch, name): name for name in STATE_DTYPES}
+#: The arguments each export takes, by their names in the functions below that call it.
+_DECODE_NAMES = ("kv_score_buffer", "kv_score_input", "out", "ape", "indices", "seq_lens")
+_PREFILL_NAMES = ("kv_score_buffer", "kv_score_input", "out", "ape", "indices", "compress_plan", "write_plan",
+                  "load_indices")
+_VERIFY_NAMES = ("kv_score_buffer", "kv_score_input", "out", "ape", "indices", "seq_lens", "prefix_states")
+_COMMIT_NAMES = ("kv_score_buffer", "prefix_states", "indices", "accept_lens")
 #: The loaded planner variant (``use_pdl=None``), once loaded.
 _planner: Any = None
 
@@ -79,6 +85,21 @@ def _not_tensor(**arguments: Any) -> Exception:
         if value.dim() == 0:
             return ValueError(f"argument '{name}': expected a tensor with dimensions, got a 0-D tensor")
     return TypeError("expected torch.Tensor arguments")
+
+
+def _raise_if_not_tensors(names: tuple[str, ...], arguments: dict[str, Any]) -> None:
+    """Raises the named error for the first of ``names`` in ``arguments`` that is not a tensor (nor a
+    ``None`` ``load_indices``).
+
+    Called where an export raised TypeError: tvm-ffi refuses a ``None`` or a
+    non-tensor where an export takes a tensor, naming it only by position
+    (exported functions carry no parameter names). Returns for any other
+    TypeError, which the caller re-raises as it came.
+    """
+    for name in names:
+        value = arguments[name]
+        if not isinstance(value, torch.Tensor) and not (value is None and name == "load_indices"):
+            raise _not_tensor(**{name: value}) from None
 
 
 def new_output(kv_score_input: torch.Tensor, ape: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
@@ -204,7 +225,11 @@ def decode_into(
         # request (B = 0) it checks and returns without a launch.
         module.run_decode(kv_score_buffer, kv_score_input[:0], out[:0], ape, indices[:0], seq_lens[:0], None)
         indices = relocate_states(kv_score_buffer, indices, load_indices, seq_lens)
-    module.run_decode(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, None)
+    try:
+        module.run_decode(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, None)
+    except TypeError:
+        _raise_if_not_tensors(_DECODE_NAMES, locals())
+        raise
 
 
 def prefill_into(
@@ -225,7 +250,11 @@ def prefill_into(
     if _debug.enabled():
         _debug.check_prefill(kv_score_buffer, kv_score_input, indices, compress_plan, write_plan, load_indices)
     run = module.run_prefill_compact if compact else module.run_prefill
-    run(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan, load_indices)
+    try:
+        run(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan, load_indices)
+    except TypeError:
+        _raise_if_not_tensors(_PREFILL_NAMES, locals())
+        raise
 
 
 def verify_into(
@@ -242,7 +271,11 @@ def verify_into(
     module = _compiled(kv_score_buffer, ape, use_pdl)
     if _debug.enabled():
         _debug.check_verify(kv_score_buffer, kv_score_input, indices, seq_lens)
-    module.run_verify(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, prefix_states)
+    try:
+        module.run_verify(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, prefix_states)
+    except TypeError:
+        _raise_if_not_tensors(_VERIFY_NAMES, locals())
+        raise
 
 
 def commit_into(
@@ -264,4 +297,8 @@ def commit_into(
     module = _variant(kv_score_buffer, head_dim, use_pdl)
     if _debug.enabled():
         _debug.check_commit(kv_score_buffer, prefix_states, indices, accept_lens)
-    module.run_commit(kv_score_buffer, prefix_states, indices, accept_lens)
+    try:
+        module.run_commit(kv_score_buffer, prefix_states, indices, accept_lens)
+    except TypeError:
+        _raise_if_not_tensors(_COMMIT_NAMES, locals())
+        raise
