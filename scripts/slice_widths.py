@@ -7,7 +7,8 @@ Plans each of ``bench.PREFILL_CASES`` (with ``--shapes``, ``bench_shapes.SHAPES`
 does (same lengths, same seed, exact plans) and prints, per pass, the width it runs, its grid, its chain (rounds of dependent loads of its
 busiest warp, every segment taken as a full chunk) and whether the write pass's grid fits in the
 slots the compress pass's leaves free, so that it runs beside it, or must wait for its blocks to
-finish. The rule is ``choose_slice_width`` (``csrc/deepseek_v4/c128_slice_width.cuh``) through its
+finish. The write pass also gets its longest segment of this draw and the rounds one warp takes
+for it at the width the pass runs (its real chain, where the rule assumes full chunks). The rule is ``choose_slice_width`` (``csrc/deepseek_v4/c128_slice_width.cuh``) through its
 Python mirror ``tests/schedule.py: prefill_pass``, which ``tests/test_headers_nvcc.py`` checks against
 the compiled rule; 8 blocks fit an SM (every prefill kernel sits at its 128-register bound), and an
 H200 has 132 SMs.
@@ -32,22 +33,27 @@ from schedule import prefill_pass  # noqa: E402
 BLOCKS_PER_SM = 8
 
 
-def case_rows(cases: list[tuple]) -> list[tuple[str, int, int]]:
-    """(case, compress rows, write rows) of each of ``cases`` (``bench.PREFILL_CASES``'s form), with
-    bench.run's seed and order."""
+def case_rows(cases: list[tuple]) -> list[tuple[str, int, int, int]]:
+    """(case, compress rows, write rows, the longest write segment's tokens) of each of ``cases``
+    (``bench.PREFILL_CASES``'s form), with bench.run's seed and order."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for name, batch, extend, random_prefix, singles in cases:
         prefixes, extends = bench.case_lengths(batch, extend, random_prefix, gen, singles)
         compress, write = plan_segments(extends, [p + e for p, e in zip(prefixes, extends)])
-        rows.append((name, len(compress), len(write)))
+        rows.append((name, len(compress), len(write), int(write[:, 3].max()) if len(write) else 0))
     return rows
+
+
+def round_tokens(width: int) -> int:
+    """Tokens a warp folds per round of loads at ``width`` channels: 4 per lane, 32 / (width / 4) token lanes."""
+    return 4 * (32 // (width // 4))
 
 
 def describe(head_dim: int, sms: int, cases: list[tuple]) -> list[str]:
     resident = BLOCKS_PER_SM * sms
     lines = [f"head_dim {head_dim}, {resident} resident blocks: rows x slice width, grid, chain"]
-    for name, compress_rows, write_rows in case_rows(cases):
+    for name, compress_rows, write_rows, longest in case_rows(cases):
         compress = prefill_pass(compress_rows, head_dim, sms) if compress_rows else None
         line = f"  {name:<22}"
         if compress:
@@ -55,7 +61,9 @@ def describe(head_dim: int, sms: int, cases: list[tuple]) -> list[str]:
         if write_rows:
             write = prefill_pass(write_rows, head_dim, sms, beside=compress)
             where = "" if not compress else ", beside" if compress[1] + write[1] <= resident else ", after"
-            line += f"  write {write_rows} x {write[0]}: {write[1]} blocks, chain {write[2]}{where}"
+            rounds = -(-longest // round_tokens(write[0]))
+            line += (f"  write {write_rows} x {write[0]}: {write[1]} blocks, chain {write[2]}{where}; longest "
+                     f"{longest} token{'s' * (longest != 1)}, {rounds} round{'s' * (rounds != 1)}")
         lines.append(line)
     return lines
 

@@ -101,6 +101,13 @@ def test_slice_widths_prints_every_bench_case_with_a_width_and_a_grid_that_fits(
     for line in lines[1:]:
         passes = re.findall(r"x (\d+): (\d+) blocks", line)
         assert passes and all(int(w) in (8, 16, 32, 64) and 0 < int(b) <= 1056 for w, b in passes), line
+        if write := re.search(r"write \d+ x (\d+):.*; longest (\d+) tokens?, (\d+) rounds?$", line):
+            width, longest, rounds = map(int, write.groups())
+            tokens_a_round = 4 * 32 // (width // 4)  # 4 tokens a lane; a token takes width / 4 lanes
+            assert 0 < longest < 128 and rounds == -(-longest // tokens_a_round), line
+        else:
+            assert "write" not in line, line
+    assert lines[-1].endswith("longest 1 token, 1 round")  # 1 x 128 from 0 + 1 x 1: the one-token request
 
 
 def test_cold_rows_cycle_through_enough_copies_to_span_twice_the_l2():
