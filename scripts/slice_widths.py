@@ -4,14 +4,16 @@
     python scripts/slice_widths.py [--head-dim 128 256 512] [--sms 132] [--shapes]
 
 Plans each of ``bench.PREFILL_CASES`` (with ``--shapes``, ``bench_shapes.SHAPES``) as ``bench.py``
-does (same lengths, same seed, exact plans) and prints, per pass, the width it runs, its grid, its chain (rounds of dependent loads of its
-busiest warp, every segment taken as a full chunk) and whether the write pass's grid fits in the
-slots the compress pass's leaves free, so that it runs beside it, or must wait for its blocks to
-finish. The write pass also gets its longest segment of this draw and the rounds one warp takes
-for it at the width the pass runs (its real chain, where the rule assumes full chunks). The rule is ``choose_slice_width`` (``csrc/deepseek_v4/c128_slice_width.cuh``) through its
-Python mirror ``tests/schedule.py: prefill_pass``, which ``tests/test_headers_nvcc.py`` checks against
-the compiled rule; 8 blocks fit an SM (every prefill kernel sits at its 128-register bound), and an
-H200 has 132 SMs.
+does (same lengths, same seed, exact plans) and prints, per pass, the width it runs, its grid, its
+chain (rounds of dependent loads of its busiest warp, every segment taken as a full chunk) and
+whether the write pass's grid fits in the slots the compress pass's leaves free, so that it runs
+beside it, or must wait for its blocks to finish. The write pass also gets its longest segment of
+this draw and the rounds one warp takes for it at the width the pass runs (its real chain, where the
+rule assumes full chunks). The rule is ``choose_slice_width``
+(``csrc/deepseek_v4/c128_slice_width.cuh``) through its Python mirror
+``tests/schedule.py: prefill_pass``, which ``tests/test_headers_nvcc.py`` checks against the
+compiled rule; 8 blocks fit an SM (every prefill kernel sits at its 128-register bound), and an H200
+has 132 SMs.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "scripts"), str(ROOT / "tests")
 import bench  # noqa: E402
 from flash_compress.c128_online import HEAD_DIMS_TESTED  # noqa: E402
 from flash_compress.host_planner import plan_segments  # noqa: E402
-from schedule import prefill_pass  # noqa: E402
+from schedule import prefill_pass, round_tokens  # noqa: E402
 
 #: Prefill blocks (64 threads at 128 registers) that fit one SM at once, as prefill_pass counts them.
 BLOCKS_PER_SM = 8
@@ -43,11 +45,6 @@ def case_rows(cases: list[tuple]) -> list[tuple[str, int, int, int]]:
         compress, write = plan_segments(extends, [p + e for p, e in zip(prefixes, extends)])
         rows.append((name, len(compress), len(write), int(write[:, 3].max()) if len(write) else 0))
     return rows
-
-
-def round_tokens(width: int) -> int:
-    """Tokens a warp folds per round of loads at ``width`` channels: 4 per lane, 32 / (width / 4) token lanes."""
-    return 4 * (32 // (width // 4))
 
 
 def describe(head_dim: int, sms: int, cases: list[tuple]) -> list[str]:

@@ -114,6 +114,7 @@ __all__ = [
     "counts_of",
     "plan_with",
     "prefill_pass",
+    "round_tokens",
     "rows_for_slice_width",
     "run_schedule",
 ]
@@ -163,6 +164,12 @@ def bf16_state_flips(got: torch.Tensor, want: torch.Tensor, what: str) -> int:
 SLICE_WIDTHS = (64, 32, 16, 8)
 
 
+def round_tokens(width: int) -> int:
+    """Tokens one warp folds per round of loads at ``width`` channels (``PrefillLayout``'s ``kTokenLanes *
+    kBatch``): 4 per lane, a token across ``width / 4`` lanes."""
+    return 4 * (32 // (width // 4))
+
+
 def prefill_pass(rows: int, head_dim: int, multiprocessors: int,
                  beside: Optional[tuple[int, int, int]] = None, padding_rows: int = 0) -> tuple[int, int, int]:
     """``(width, grid, chain)`` that ``choose_slice_width`` (``csrc/deepseek_v4/c128_slice_width.cuh``)
@@ -185,7 +192,7 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int,
         items = split_items + padding_rows
         if width != SLICE_WIDTHS[0] and (items // (warps * 32) > 4 or (width == 8 and 4 * items > warps)):
             continue
-        chain = -(-split_items // warps) * -(-CHUNK_SIZE // (4 * (32 // (width // 4))))
+        chain = -(-split_items // warps) * -(-CHUNK_SIZE // round_tokens(width))
         options.append((width, min(-(-items // 2), resident), chain))
 
     def shortest(candidates):

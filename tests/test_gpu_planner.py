@@ -238,7 +238,6 @@ def on_gpu_path(tensor: torch.Tensor):
     return tensor if cuda_available() else relabel(tensor, DL_CUDA)
 
 
-
 def test_gpu_path_argument_errors_raise_and_name_the_argument():
     """The GPU path's host checks, before its launch: without a GPU, host tensors labelled as CUDA ones
     stand in for the CUDA arguments (with one, they are CUDA tensors); the wrong-device cases stay on the

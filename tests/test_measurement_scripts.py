@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from schedule import round_tokens
 from test_headers_nvcc import compile_alone, needs_nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,8 +104,7 @@ def test_slice_widths_prints_every_bench_case_with_a_width_and_a_grid_that_fits(
         assert passes and all(int(w) in (8, 16, 32, 64) and 0 < int(b) <= 1056 for w, b in passes), line
         if write := re.search(r"write \d+ x (\d+):.*; longest (\d+) tokens?, (\d+) rounds?$", line):
             width, longest, rounds = map(int, write.groups())
-            tokens_a_round = 4 * 32 // (width // 4)  # 4 tokens a lane; a token takes width / 4 lanes
-            assert 0 < longest < 128 and rounds == -(-longest // tokens_a_round), line
+            assert 0 < longest < 128 and rounds == -(-longest // round_tokens(width)), line
         else:
             assert "write" not in line, line
     assert lines[-1].endswith("longest 1 token, 1 round")  # 1 x 128 from 0 + 1 x 1: the one-token request
