@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The slice widths and grids the prefill passes pick for bench.py's cases, on the CPU.
 
-    python scripts/slice_widths.py [--head-dim 128 256 512] [--sms 132] [--shapes]
+    python scripts/slice_widths.py [--head-dim 128 256 512] [--sms 132] [--shapes] [--loads]
 
 Plans each of ``bench.PREFILL_CASES`` (with ``--shapes``, ``bench_shapes.SHAPES``) as ``bench.py``
 does (same lengths, same seed, exact plans) and prints, per pass, the width it runs, its grid, its
@@ -14,6 +14,12 @@ rule assumes full chunks). The rule is ``choose_slice_width``
 ``tests/schedule.py: prefill_pass``, which ``tests/test_headers_nvcc.py`` checks against the
 compiled rule; 8 blocks fit an SM (every prefill kernel sits at its 128-register bound), and an H200
 has 132 SMs.
+
+``--loads`` adds, per pass, the rounds of loads of its busiest warp for this draw, its items (row,
+slice) dealt to the grid's warps in turn as the kernel deals them, beside the mean over its warps,
+and what the busiest warp would take if each block of 8 warps shared its items' rounds evenly
+(``docs/experiments/balanced_write_pass.patch``'s rule, items dealt to such blocks in turn). Every
+case here has fewer items than 32 a warp, so one round of plan decoding holds them all.
 """
 
 from __future__ import annotations
@@ -35,22 +41,58 @@ from schedule import prefill_pass, round_tokens  # noqa: E402
 BLOCKS_PER_SM = 8
 
 
-def case_rows(cases: list[tuple]) -> list[tuple[str, int, int, int]]:
-    """(case, compress rows, write rows, the longest write segment's tokens) of each of ``cases``
-    (``bench.PREFILL_CASES``'s form), with bench.run's seed and order."""
+def case_segments(cases: list[tuple]) -> list[tuple[str, list[int], list[int]]]:
+    """(case, its compress segments' tokens, its write segments' tokens) of each of ``cases``
+    (``bench.PREFILL_CASES``'s form), planned with bench.run's seed and order."""
     gen = torch.Generator().manual_seed(0)
-    rows = []
+    segments = []
     for name, batch, extend, random_prefix, singles in cases:
         prefixes, extends = bench.case_lengths(batch, extend, random_prefix, gen, singles)
         compress, write = plan_segments(extends, [p + e for p, e in zip(prefixes, extends)])
-        rows.append((name, len(compress), len(write), int(write[:, 3].max()) if len(write) else 0))
-    return rows
+        segments.append((name, compress[:, 3].tolist(), write[:, 3].tolist()))
+    return segments
 
 
-def describe(head_dim: int, sms: int, cases: list[tuple]) -> list[str]:
+def item_rounds(segments: list[int], width: int, head_dim: int) -> list[int]:
+    """Rounds of loads one warp takes for each item (segment, channel slice) of a pass, in item order."""
+    slices = head_dim // width
+    return [-(-tokens // round_tokens(width)) for tokens in segments for _ in range(slices)]
+
+
+def dealt_rounds(rounds: list[int], warps: int) -> tuple[int, float]:
+    """The busiest warp's rounds and the mean over ``warps``, item i going to warp i mod ``warps``."""
+    per_warp = [0] * warps
+    for item, item_rounds_ in enumerate(rounds):
+        per_warp[item % warps] += item_rounds_
+    return max(per_warp), sum(rounds) / warps
+
+
+def shared_rounds(rounds: list[int], blocks: int, block_warps: int = 8) -> int:
+    """The busiest warp's rounds where item i goes to block i mod ``blocks`` and each block shares its
+    items' rounds evenly among its warps (an item of several slices is not split; none is here)."""
+    per_block = [0] * blocks
+    for item, item_rounds_ in enumerate(rounds):
+        per_block[item % blocks] += item_rounds_
+    return -(-max(per_block) // block_warps)
+
+
+def loads_line(label: str, segments: list[int], option: tuple[int, int, int], head_dim: int, sms: int,
+               block_warps: int = 2) -> str:
+    """A pass's ``--loads`` line; ``option``: its (width, grid, chain), of blocks of ``block_warps``."""
+    width, blocks, _ = option
+    rounds = item_rounds(segments, width, head_dim)
+    busiest, mean = dealt_rounds(rounds, block_warps * blocks)
+    shared = shared_rounds(rounds, min(-(-len(rounds) // 8), 2 * sms))
+    return (f"    {label} loads: busiest warp {busiest} round{'s' * (busiest != 1)} (mean {mean:.2f}); "
+            f"shared in blocks of 8: {shared}")
+
+
+def describe(head_dim: int, sms: int, cases: list[tuple], loads: bool = False) -> list[str]:
     resident = BLOCKS_PER_SM * sms
     lines = [f"head_dim {head_dim}, {resident} resident blocks: rows x slice width, grid, chain"]
-    for name, compress_rows, write_rows, longest in case_rows(cases):
+    for name, compress_segments, write_segments in case_segments(cases):
+        compress_rows, write_rows = len(compress_segments), len(write_segments)
+        longest = max(write_segments, default=0)
         compress = prefill_pass(compress_rows, head_dim, sms) if compress_rows else None
         line = f"  {name:<22}"
         if compress:
@@ -62,6 +104,10 @@ def describe(head_dim: int, sms: int, cases: list[tuple]) -> list[str]:
             line += (f"  write {write_rows} x {write[0]}: {write[1]} blocks, chain {write[2]}{where}; longest "
                      f"{longest} token{'s' * (longest != 1)}, {rounds} round{'s' * (rounds != 1)}")
         lines.append(line)
+        if loads and compress:
+            lines.append(loads_line("compress", compress_segments, compress, head_dim, sms))
+        if loads and write_rows:
+            lines.append(loads_line("write", write_segments, write, head_dim, sms))
     return lines
 
 
@@ -70,13 +116,15 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, nargs="+", default=list(HEAD_DIMS_TESTED))
     parser.add_argument("--sms", type=int, default=132)
     parser.add_argument("--shapes", action="store_true", help="bench_shapes.py's 16 shapes instead of bench.py's")
+    parser.add_argument("--loads", action="store_true",
+                        help="each pass's rounds of loads: its busiest warp, the mean, and shared in blocks of 8")
     args = parser.parse_args()
     if args.shapes:
         from bench_shapes import SHAPES as cases
     else:
         cases = bench.PREFILL_CASES
     for head_dim in args.head_dim:
-        print("\n".join(describe(head_dim, args.sms, cases)))
+        print("\n".join(describe(head_dim, args.sms, cases, args.loads)))
     return 0
 
 

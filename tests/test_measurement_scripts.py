@@ -110,6 +110,25 @@ def test_slice_widths_prints_every_bench_case_with_a_width_and_a_grid_that_fits(
     assert lines[-1].endswith("longest 1 token, 1 round")  # 1 x 128 from 0 + 1 x 1: the one-token request
 
 
+def test_slice_widths_loads_deal_items_as_the_kernel_does(capsys, monkeypatch):
+    """--loads: item i goes to warp i mod warps (the tree) or block i mod blocks (shared evenly by its 8 warps)."""
+    script = load_script("slice_widths")
+    assert script.item_rounds([128, 9], 64, 128) == [16, 16, 2, 2]  # 2 slices a segment, 8 tokens a round
+    assert script.dealt_rounds([5, 1, 1, 1], 2) == (6, 4.0)  # warp 0: 5 + 1, warp 1: 1 + 1
+    assert script.shared_rounds([5, 1, 1, 1], 1, block_warps=2) == 4  # 8 rounds over 2 warps
+    assert script.shared_rounds([5, 1, 1, 1, 3], 2) == 2  # blocks of 5 + 1 + 3 and 1 + 1 rounds: 9 over 8 warps
+    monkeypatch.setattr("sys.argv", ["slice_widths.py", "--head-dim", "512", "--loads"])
+    assert script.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    passes = [line for line in lines[1:] if not line.startswith("    ")]
+    loads = [re.fullmatch(r"    (compress|write) loads: busiest warp (\d+) rounds? \(mean ([\d.]+)\); "
+                          r"shared in blocks of 8: (\d+)", line) for line in lines[1:] if line.startswith("    ")]
+    assert all(loads) and len(loads) == sum(line.count(" blocks, chain") for line in passes)
+    assert all(int(m[2]) >= float(m[3]) and int(m[4]) >= 1 for m in loads)
+    # 1 x 32768 from 0: 2048 items of 16 rounds (128 tokens at 64 channels), one a warp however dealt.
+    assert loads[0].groups() == ("compress", "16", "16.00", "16")
+
+
 def test_cold_rows_cycle_through_enough_copies_to_span_twice_the_l2():
     bench = load_script("slice_widths").bench  # imported as a module (its dataclasses need one)
     l2 = 50 * 2**20
