@@ -67,7 +67,11 @@ def dealt_rounds(rounds: list[int], warps: int) -> tuple[int, float]:
     return max(per_warp), sum(rounds) / warps
 
 
-def shared_rounds(rounds: list[int], blocks: int, block_warps: int = 8) -> int:
+#: Warps of a block that shares its items' rounds evenly (--loads; the balanced experiments' blocks).
+SHARING_WARPS = 8
+
+
+def shared_rounds(rounds: list[int], blocks: int, block_warps: int = SHARING_WARPS) -> int:
     """The busiest warp's rounds where item i goes to block i mod ``blocks`` and each block shares its
     items' rounds evenly among its warps (an item of several slices is not split; none is here)."""
     per_block = [0] * blocks
@@ -82,9 +86,10 @@ def loads_line(label: str, segments: list[int], option: tuple[int, int, int], he
     width, blocks, _ = option
     rounds = item_rounds(segments, width, head_dim)
     busiest, mean = dealt_rounds(rounds, block_warps * blocks)
-    shared = shared_rounds(rounds, min(-(-len(rounds) // 8), 2 * sms))
+    resident = 16 * sms // SHARING_WARPS  # 16 warps an SM at 128 registers
+    shared = shared_rounds(rounds, min(-(-len(rounds) // SHARING_WARPS), resident))
     return (f"    {label} loads: busiest warp {busiest} round{'s' * (busiest != 1)} (mean {mean:.2f}); "
-            f"shared in blocks of 8: {shared}")
+            f"shared in blocks of {SHARING_WARPS}: {shared}")
 
 
 def describe(head_dim: int, sms: int, cases: list[tuple], loads: bool = False) -> list[str]:
