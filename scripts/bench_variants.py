@@ -3,11 +3,14 @@
     python scripts/bench_variants.py [--reference SEED] [--rounds 5] [--decode-only] [--state-dtype bfloat16]
                                      [--per-pass] [--prefill-only] [--check] [--decode-batches B ...] NAME=PATH ...
 
-Each NAME=PATH is a variant of the kernel files in ``csrc/deepseek_v4/``: PATH
-is a folder whose files replace their namesakes (e.g. an edited
-``c128_prefill.cuh``, or ``c128_online.cuh`` with another launch rule). It is
-built as its own JIT variant beside the tree's other kernel files, against the
-tree's ``include/``. Every implementation runs the bench.py
+Each NAME=PATH is a variant of the kernel sources, built as its own JIT variant
+with the tree's build spec (exports, template values). PATH is either a folder
+whose files replace their namesakes in ``csrc/deepseek_v4/`` (e.g. an edited
+``c128_prefill.cuh``, or ``c128_online.cuh`` with another launch rule), built
+beside the tree's other kernel files against the tree's ``include/``; or another
+checkout, a folder with ``csrc/deepseek_v4/`` and ``include/`` (a worktree with
+an experiment of ``docs/experiments/`` applied, say), whose ``csrc/`` and
+``include/`` are built whole. Every implementation runs the bench.py
 cases on the same tensors, in rounds that visit every implementation in turn,
 so that drifts of clock and temperature hit all of them alike; the table shows
 the median and the minimum over rounds (us). Decode and verify steps (T=4) run
@@ -48,24 +51,43 @@ from flash_compress.c128_online import spec  # noqa: E402
 KERNEL_DIR = ROOT / "csrc" / "deepseek_v4"
 
 
-def load_variant(name: str, files: Path, head_dim: int, source_root: Path, state_dtype: str):
-    """The module built from the tree's kernel files, those in the folder `files` replacing theirs."""
-    folder = source_root / name / "deepseek_v4"
-    shutil.copytree(KERNEL_DIR, folder)
-    for edited in files.iterdir():
-        shutil.copy(edited, folder / edited.name)
+def is_checkout(path: Path) -> bool:
+    """Whether ``path`` holds a whole source tree (``csrc/deepseek_v4/`` and ``include/``), not kernel files."""
+    return (path / "csrc" / "deepseek_v4").is_dir() and (path / "include").is_dir()
+
+
+def variant_spec(name: str, files: Path, head_dim: int, source_root: Path, state_dtype: str) -> jit.JitSpec:
+    """The tree's build spec with the sources of variant ``name``: the checkout ``files``'s ``csrc/`` and
+    ``include/``, or the tree's kernel files with those in the folder ``files`` replacing theirs (copied
+    under ``source_root``)."""
     tree = spec(head_dim, True, state_dtype)
-    return jit.load(dataclasses.replace(tree, name=f"{tree.name}_variant_{name}",
-                                        include_dirs=(folder.parent, *tree.include_dirs[1:])))
+    if is_checkout(files):
+        include_dirs = (files / "csrc", files / "include")
+    else:
+        folder = source_root / name / "deepseek_v4"
+        shutil.copytree(KERNEL_DIR, folder)
+        for edited in files.iterdir():
+            shutil.copy(edited, folder / edited.name)
+        include_dirs = (folder.parent, *tree.include_dirs[1:])
+    return dataclasses.replace(tree, name=f"{tree.name}_variant_{name}", include_dirs=include_dirs)
+
+
+def load_variant(name: str, files: Path, head_dim: int, source_root: Path, state_dtype: str):
+    """The module built from variant ``name``'s sources (``variant_spec``)."""
+    return jit.load(variant_spec(name, files, head_dim, source_root, state_dtype))
 
 
 def parse_variant(text: str) -> tuple[str, Path]:
     name, sep, path = text.partition("=")
     if not sep or not name.isidentifier() or not Path(path).is_dir():
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH to a folder of kernel files, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=PATH to a folder of kernel files or a checkout, got {text!r}")
+    if is_checkout(Path(path)):
+        return name, Path(path)
     unknown = sorted(f.name for f in Path(path).iterdir() if not (KERNEL_DIR / f.name).is_file())
     if unknown:
-        raise argparse.ArgumentTypeError(f"{path}: expected files named as in {KERNEL_DIR}, got {', '.join(unknown)}")
+        raise argparse.ArgumentTypeError(f"{path}: expected files named as in {KERNEL_DIR} (or a checkout with "
+                                         f"csrc/deepseek_v4/ and include/), got {', '.join(unknown)}")
     return name, Path(path)
 
 

@@ -129,6 +129,36 @@ def test_slice_widths_loads_deal_items_as_the_kernel_does(capsys, monkeypatch):
     assert loads[0].groups() == ("compress", "16", "16.00", "16")
 
 
+def test_bench_variants_takes_kernel_files_or_a_whole_checkout(tmp_path):
+    """A folder of kernel files replaces the tree's namesakes; a checkout (csrc/deepseek_v4/ and include/, an
+    experiment patch applied to a worktree) is built whole, include/ too; anything else is refused by name."""
+    import argparse
+
+    script = load_script("bench_variants")
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "c128_prefill.cuh").write_text("// edited\n")
+    checkout = tmp_path / "checkout"
+    (checkout / "csrc" / "deepseek_v4").mkdir(parents=True)
+    (checkout / "include" / "sgl_kernel").mkdir(parents=True)
+    assert script.parse_variant(f"edited={files}") == ("edited", files)
+    assert script.parse_variant(f"patched={checkout}") == ("patched", checkout)
+    for bad, says in ((f"1x={files}", "NAME=PATH"), (f"edited={tmp_path / 'missing'}", "NAME=PATH"),
+                      (f"stray={tmp_path}", "expected files named as in")):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            script.parse_variant(bad)
+
+    tree = script.spec(128, True, "float32")
+    whole = script.variant_spec("patched", checkout, 128, tmp_path / "sources", "float32")
+    assert whole.include_dirs == ((checkout / "csrc").resolve(), (checkout / "include").resolve())
+    assert whole.name == f"{tree.name}_variant_patched" and whole.exports == tree.exports
+    edited = script.variant_spec("edited", files, 128, tmp_path / "sources", "float32")
+    kernels = tmp_path / "sources" / "edited" / "deepseek_v4"
+    assert edited.include_dirs == (kernels.parent.resolve(), tree.include_dirs[1])
+    assert (kernels / "c128_prefill.cuh").read_text() == "// edited\n"
+    assert (kernels / "c128_decode.cuh").read_text() == (script.KERNEL_DIR / "c128_decode.cuh").read_text()
+
+
 def test_cold_rows_cycle_through_enough_copies_to_span_twice_the_l2():
     bench = load_script("slice_widths").bench  # imported as a module (its dataclasses need one)
     l2 = 50 * 2**20
