@@ -5,14 +5,17 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import stat
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from flash_compress.jit import JitBuildError, JitDisabledError, JitSpec, config, cuda_arch_list
-from flash_compress.jit import toolchain
+from flash_compress.jit import build, toolchain
 from flash_compress.jit.build import first_errors
 from flash_compress.jit.cache import (
     MANIFEST, CacheLayout, KeyInputs, TreeDigest, clear_cache, folder_name, list_entries, publish, tree_digest,
@@ -309,6 +312,78 @@ def test_first_errors_from_nvcc_output():
     many = "\n".join(f"f.cu({i}): error: e{i}\n  ctx\n  ^" for i in range(50))
     assert len(first_errors(many)) == 20
     assert first_errors("no problem words\nlast line") == ("no problem words", "last line")
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a container's PID 1 may never reap one)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _running_with(marker: str) -> list[int]:
+    """The running processes whose command line holds ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_text() and _running(int(entry.name)):
+                found.append(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard uses Linux's PR_SET_PDEATHSIG")
+def test_a_build_command_reports_its_output_and_status_through_the_guard(tmp_path):
+    """build._run's command keeps its merged output, its exit status (128 + N for a signal N), and a
+    command that cannot start is a status of 127 with a line that says why."""
+    assert build._run(["sh", "-c", "echo out; echo err >&2; exit 3"], echo=False) == (3, ["out", "err"])
+    assert build._run(["sh", "-c", "kill -9 $$"], echo=False)[0] == 128 + 9
+    status, lines = build._run([str(tmp_path / "no-nvcc")], echo=False)
+    assert status == 127 and lines[-1].startswith(f"could not run {tmp_path / 'no-nvcc'}: "), lines
+
+
+def test_a_build_runs_unguarded_where_the_guard_cannot_run(monkeypatch):
+    """Off Linux, or under an interpreter that is not Python's own binary (embedded, frozen), the command
+    runs as it is rather than through an executable that would not take the guard's arguments."""
+    command = ["nvcc", "-V"]
+    if sys.platform.startswith("linux"):
+        assert build._guarded(command)[1:4] == ["-I", "-S", str(JIT_DIR / "_child_guard.py")]
+    for executable in ("", "/usr/bin/uwsgi"):
+        monkeypatch.setattr(sys, "executable", executable)
+        assert build._guarded(command) == command
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(sys, "executable", "/usr/bin/python3")
+    assert build._guarded(command) == command
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard uses Linux's PR_SET_PDEATHSIG")
+@pytest.mark.parametrize("kill", ["builder", "guard"])
+def test_a_build_stops_whole_when_its_builder_or_guard_is_killed(tmp_path, kill):
+    """SIGKILL the process running a build, or SIGTERM the guard between it and the command (a shell
+    standing in for nvcc, with a child as nvcc has cicc and ptxas): the guard, the command and its child
+    all end, none runs on as an orphan."""
+    marker = f"build-of-{tmp_path.name}"
+    builder = tmp_path / "builder.py"
+    builder.write_text("from flash_compress.jit import build\n"
+                       f"build._run(['sh', '-c', 'sleep 60 & echo $$ $!; wait', '{marker}'], echo=True)\n")
+    env = {**os.environ, "PYTHONPATH": str(JIT_DIR.parents[1])}
+    process = subprocess.Popen([sys.executable, str(builder)], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        shell, sleeper = map(int, process.stderr.readline().split())
+        guard = int(Path(f"/proc/{shell}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the shell's parent
+        assert sorted(_running_with(marker)) == sorted([guard, shell]) and _running(sleeper)
+        if kill == "guard":
+            os.kill(guard, signal.SIGTERM)
+            assert process.wait(timeout=10) == 0  # the builder sees the command end (status 128 + 15)
+    finally:
+        process.kill()
+        process.wait()
+    deadline = time.monotonic() + 10
+    while (_running_with(marker) or _running(sleeper)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running_with(marker) and not _running(sleeper), (_running_with(marker), _running(sleeper))
 
 
 def test_errors_carry_their_fields_and_survive_pickling(tmp_path):

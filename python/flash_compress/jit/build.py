@@ -1,5 +1,7 @@
 """Compiling one variant: one nvcc call that compiles and links the .so, in a private staging folder.
 
+On Linux nvcc runs under ``_child_guard.py``, so that it ends with the builder, however the builder ends.
+
 The include and library paths come from tvm-ffi's public ``tvm_ffi.libinfo``; nothing
 of tvm-ffi is patched and no environment variable is touched, so builds of different
 variants may run in parallel threads or processes.
@@ -58,10 +60,25 @@ def nvcc_command(spec: JitSpec, nvcc: Path, arch_list: tuple[str, ...], source: 
     ]
 
 
+#: Runs a build so that it dies with the thread that started it (Linux only: prctl).
+_CHILD_GUARD = Path(__file__).with_name("_child_guard.py")
+
+
+def _guarded(command: list[str]) -> list[str]:
+    """``command`` as this process starts it: on Linux through ``_child_guard.py``, so that a builder
+    killed outright (SIGKILL, an OOM kill) takes its compiler down with it. As it is where the guard
+    cannot run: off Linux, or where ``sys.executable`` is not a Python interpreter (an application
+    that embeds one, a frozen one)."""
+    interpreter = Path(sys.executable or "").name
+    if not sys.platform.startswith("linux") or getattr(sys, "frozen", False) or not interpreter.startswith("python"):
+        return command
+    return [sys.executable, "-I", "-S", str(_CHILD_GUARD), str(os.getpid()), *command]
+
+
 def _run(command: list[str], echo: bool) -> tuple[int, list[str]]:
-    """Run ``command``, keeping its merged output line by line and echoing it live when ``echo``."""
+    """Run ``command`` (guarded), keeping its merged output line by line and echoing it live when ``echo``."""
     lines: list[str] = []
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    with subprocess.Popen(_guarded(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           errors="replace") as process:
         assert process.stdout is not None
         for line in process.stdout:
