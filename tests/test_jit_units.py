@@ -366,8 +366,9 @@ def test_a_build_stops_whole_when_its_builder_or_guard_is_killed(tmp_path, kill)
     all end, none runs on as an orphan."""
     marker = f"build-of-{tmp_path.name}"
     builder = tmp_path / "builder.py"
-    builder.write_text("from flash_compress.jit import build\n"
-                       f"build._run(['sh', '-c', 'sleep 60 & echo $$ $!; wait', '{marker}'], echo=True)\n")
+    builder.write_text("import sys\nfrom flash_compress.jit import build\n"
+                       f"status, _ = build._run(['sh', '-c', 'sleep 60 & echo $$ $!; wait', '{marker}'], echo=True)\n"
+                       "print('status', status, file=sys.stderr)\n")
     env = {**os.environ, "PYTHONPATH": str(JIT_DIR.parents[1])}
     process = subprocess.Popen([sys.executable, str(builder)], stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -377,7 +378,8 @@ def test_a_build_stops_whole_when_its_builder_or_guard_is_killed(tmp_path, kill)
         assert {guard, shell} <= set(_running_with(marker)) <= {guard, shell, sleeper} and _running(sleeper)
         if kill == "guard":
             os.kill(guard, signal.SIGTERM)
-            assert process.wait(timeout=10) == 0  # the builder sees the command end (status 128 + 15)
+            assert process.stderr.readline().split() == ["status", str(128 + signal.SIGTERM)]
+            assert process.wait(timeout=10) == 0
     finally:
         process.kill()
         process.wait()
