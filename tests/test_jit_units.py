@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -349,7 +350,7 @@ def test_a_build_runs_unguarded_where_the_guard_cannot_run(monkeypatch):
     runs as it is rather than through an executable that would not take the guard's arguments."""
     command = ["nvcc", "-V"]
     if sys.platform.startswith("linux"):
-        assert build._guarded(command)[1:4] == ["-I", "-S", str(JIT_DIR / "_child_guard.py")]
+        assert build._guarded(command)[1:4] == ["-s", "-S", str(JIT_DIR / "_child_guard.py")]
     for executable in ("", "/usr/bin/uwsgi"):
         monkeypatch.setattr(sys, "executable", executable)
         assert build._guarded(command) == command
@@ -358,25 +359,39 @@ def test_a_build_runs_unguarded_where_the_guard_cannot_run(monkeypatch):
     assert build._guarded(command) == command
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard uses Linux's PR_SET_PDEATHSIG")
-@pytest.mark.parametrize("kill", ["builder", "guard"])
-def test_a_build_stops_whole_when_its_builder_or_guard_is_killed(tmp_path, kill):
-    """SIGKILL the process running a build, or SIGTERM the guard between it and the command (a shell
-    standing in for nvcc, with a child as nvcc has cicc and ptxas): the guard, the command and its child
-    all end, none runs on as an orphan."""
-    marker = f"build-of-{tmp_path.name}"
+def _start_builder(tmp_path: Path, script: str, prologue: str = "") -> tuple[subprocess.Popen, str]:
+    """A process (its own process group) that runs ``sh -c script`` through build._run, echoing its output
+    to stderr and then the status it got; and a marker that is in the command line of the shell."""
+    marker = f"build-{uuid.uuid4().hex}"
     builder = tmp_path / "builder.py"
-    builder.write_text("import sys\nfrom flash_compress.jit import build\n"
-                       f"status, _ = build._run(['sh', '-c', 'sleep 60 & echo $$ $!; wait', '{marker}'], echo=True)\n"
+    builder.write_text(f"import signal, sys\n{prologue}from flash_compress.jit import build\n"
+                       f"status, _ = build._run(['sh', '-c', {script!r}, '{marker}'], echo=True)\n"
                        "print('status', status, file=sys.stderr)\n")
     env = {**os.environ, "PYTHONPATH": str(JIT_DIR.parents[1])}
-    process = subprocess.Popen([sys.executable, str(builder)], stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen([sys.executable, str(builder)], stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True), marker
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard uses Linux's PR_SET_PDEATHSIG")
+@pytest.mark.parametrize("kill", ["builder", "group", "guard"])
+def test_a_build_stops_whole_when_its_builder_or_guard_is_killed(tmp_path, kill):
+    """SIGKILL the process running a build, or its whole process group, or SIGTERM the guard between it
+    and the command (a shell standing in for nvcc, with a child as nvcc has cicc and ptxas): the guard,
+    the command and its child all end, none runs on as an orphan."""
+    process, marker = _start_builder(tmp_path, "sleep 60 & echo $$ $!; wait")
     try:
         shell, sleeper = map(int, process.stderr.readline().split())
-        guard = int(Path(f"/proc/{shell}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the shell's parent
+        guard = _parent_of(shell)
         # The sleeper holds the marker too until the shell's fork of it has exec'd sleep.
         assert {guard, shell} <= set(_running_with(marker)) <= {guard, shell, sleeper} and _running(sleeper)
-        if kill == "guard":
+        assert _parent_of(guard) == process.pid
+        if kill == "group":
+            os.killpg(process.pid, signal.SIGKILL)
+        elif kill == "guard":
             os.kill(guard, signal.SIGTERM)
             assert process.stderr.readline().split() == ["status", str(128 + signal.SIGTERM)]
             assert process.wait(timeout=10) == 0
@@ -387,6 +402,21 @@ def test_a_build_stops_whole_when_its_builder_or_guard_is_killed(tmp_path, kill)
     while (_running_with(marker) or _running(sleeper)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _running_with(marker) and not _running(sleeper), (_running_with(marker), _running(sleeper))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard uses Linux's PR_SET_PDEATHSIG")
+def test_a_signal_the_builder_ignores_leaves_its_build_running(tmp_path):
+    """A builder under nohup (SIGHUP ignored) keeps its build through a hangup: the guard ignores it too."""
+    process, _ = _start_builder(tmp_path, "echo $$; sleep 1; echo done", prologue="signal.signal(signal.SIGHUP, "
+                                "signal.SIG_IGN)\n")
+    try:
+        shell = int(process.stderr.readline())
+        os.killpg(process.pid, signal.SIGHUP)
+        os.kill(_parent_of(shell), signal.SIGHUP)
+        assert [process.stderr.readline().strip() for _ in range(2)] == ["done", "status 0"]
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_errors_carry_their_fields_and_survive_pickling(tmp_path):

@@ -1,46 +1,94 @@
 """Runs a build command so that it does not outlive the process that started it (Linux).
 
-    python -I -S _child_guard.py PARENT_PID COMMAND [ARGS...]
+    python -s -S _child_guard.py PARENT_PID COMMAND [ARGS...]
 
 ``build.py`` starts nvcc through this script, run as a file (it imports nothing of the
-package, so it starts in milliseconds). It asks the kernel for SIGTERM when the thread that
-started it ends (``PR_SET_PDEATHSIG``: set here, after the fork, rather than in a
-``preexec_fn``, which is unsafe in a process with threads such as ``prebuild --jobs``), then
-runs COMMAND as the leader of its own process group. On SIGTERM, SIGINT or SIGHUP it kills
-that whole group (nvcc's cicc and ptxas included) and exits; so a builder killed with SIGKILL
-leaves no compiler running. Its output is COMMAND's, and its exit status COMMAND's (128 + N
-where a signal N ended it; 127, with a line saying why, where COMMAND cannot be started).
+package, so it starts in milliseconds). The command stays in the builder's process group, so
+whatever reaches that group (Ctrl-C, a kill of the whole group, a job-control stop) reaches the
+compiler as it would without the guard. What the guard adds is for the builder dying alone (a
+SIGKILL, the OOM killer): the kernel then sends it a signal of its own (``PR_SET_PDEATHSIG``, set
+here, after the fork: in a ``preexec_fn`` it is unsafe in a process with threads, such as
+``prebuild --jobs``), and it kills every process below it, nvcc's cicc and ptxas included (as a
+child subreaper it inherits those orphaned on the way). SIGTERM, SIGINT and SIGHUP do the same
+unless the builder ignores them (``nohup``, a background job), in which case the build does too.
+Its output is the command's, and its exit status the command's (128 + N where a signal N ended
+it; 127, with a line saying why, where the command cannot be started). Where the kernel refuses
+prctl (a sandbox) or ctypes is missing, the command runs unguarded.
 """
 
-import ctypes
 import os
 import signal
 import subprocess
 import sys
+import time
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+#: The builder's death notice: a signal of its own, so that the ones the builder ignores stay ignored.
+_DEATH_NOTICE = signal.SIGRTMIN
 _STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).prctl(option, value, 0, 0, 0) == 0
+    except (ImportError, OSError, AttributeError):
+        return False
+
+
+def _descendants(root: int) -> list[int]:
+    """The processes below ``root`` that are not zombies, from each process's parent in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                state, parent = stat.read().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            continue
+        if state != "Z":
+            children.setdefault(int(parent), []).append(int(entry))
+    found, frontier = [], [root]
+    while frontier:
+        below = children.get(frontier.pop(), [])
+        found += below
+        frontier += below
+    return found
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every process below this one until none is left (at most about 2 s). Each pass reaps
+    what became this process's: its child, and as a subreaper the orphans of the ones killed."""
+    for _ in range(200):
+        below = _descendants(os.getpid())
+        if not below:
+            return
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] != 0:
+                pass
+        except ChildProcessError:
+            pass
 
 
 def main(argv: list[str]) -> int:
     parent, command = int(argv[0]), argv[1:]
-    # Where the kernel refuses (a sandbox that filters prctl), the build runs all the same, unguarded.
-    if ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0 and os.getppid() != parent:
-        return 128 + signal.SIGTERM  # the parent was gone before the request took effect
+    guarded = _prctl(_PR_SET_PDEATHSIG, _DEATH_NOTICE) and _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    if guarded and os.getppid() != parent:  # the builder was gone before the request took effect
+        return 128 + _DEATH_NOTICE
     started: list[subprocess.Popen] = []
     caught: list[int] = []
 
     def stop(signum: int) -> None:
-        for child in started:
-            try:
-                os.killpg(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            # Not child.wait(): the handler may have interrupted that very call, whose lock it holds.
-            try:
-                os.waitpid(child.pid, 0)
-            except ChildProcessError:
-                pass
+        _kill_descendants()
         os._exit(128 + signum)
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -48,10 +96,11 @@ def main(argv: list[str]) -> int:
         if started:  # else the command is being started: stopped right after
             stop(signum)
 
-    for stopping in _STOPPING_SIGNALS:
-        signal.signal(stopping, on_signal)
+    for stopping in (_DEATH_NOTICE, *_STOPPING_SIGNALS):
+        if signal.getsignal(stopping) is not signal.SIG_IGN:
+            signal.signal(stopping, on_signal)
     try:
-        child = subprocess.Popen(command, start_new_session=True)
+        child = subprocess.Popen(command)
     except OSError as exc:
         print(f"could not run {command[0]}: {exc}", file=sys.stderr, flush=True)
         return 127

@@ -72,7 +72,8 @@ def _guarded(command: list[str]) -> list[str]:
     interpreter = Path(sys.executable or "").name
     if not sys.platform.startswith("linux") or getattr(sys, "frozen", False) or not interpreter.startswith("python"):
         return command
-    return [sys.executable, "-I", "-S", str(_CHILD_GUARD), str(os.getpid()), *command]
+    # -s -S: no site-packages to import; PYTHONHOME and the like still apply, as they do to the builder.
+    return [sys.executable, "-s", "-S", str(_CHILD_GUARD), str(os.getpid()), *command]
 
 
 def _run(command: list[str], echo: bool) -> tuple[int, list[str]]:
