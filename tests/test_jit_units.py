@@ -405,6 +405,32 @@ def test_a_build_stops_whole_when_its_builder_or_guard_is_killed(tmp_path, kill)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard uses Linux's PR_SET_PDEATHSIG")
+def test_the_guard_follows_proc_only_where_it_numbers_its_own_processes(monkeypatch):
+    """The guard finds what is below it through /proc; where /proc is missing or numbers another PID
+    namespace's processes, it kills only its own child, whose id it knows."""
+    from flash_compress.jit import _child_guard as guard
+
+    child = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
+    below: list[int] = []
+    try:
+        deadline = time.monotonic() + 10
+        while len(below) < 2 and time.monotonic() < deadline:
+            below = guard._descendants(os.getpid())
+            time.sleep(0.01)
+        (sleeper,) = [pid for pid in below if _parent_of(pid) == child.pid]
+        monkeypatch.setattr(guard.os, "readlink", lambda path: "1")  # another namespace's /proc/self
+        guard._kill_descendants([child])
+        assert child.wait(timeout=10) == -signal.SIGKILL and _running(sleeper)  # the sleeper is out of reach
+    finally:
+        child.kill()
+        for pid in below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard uses Linux's PR_SET_PDEATHSIG")
 def test_a_signal_the_builder_ignores_leaves_its_build_running(tmp_path):
     """A builder under nohup (SIGHUP ignored) keeps its build through a hangup: the guard ignores it too."""
     process, _ = _start_builder(tmp_path, "echo $$; sleep 1; echo done", prologue="signal.signal(signal.SIGHUP, "

@@ -59,9 +59,19 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def _kill_descendants() -> None:
+def _kill_descendants(children: list[subprocess.Popen]) -> None:
     """SIGKILL every process below this one until none is left (at most about 2 s). Each pass reaps
-    what became this process's: its child, and as a subreaper the orphans of the ones killed."""
+    what became this process's: its child, and as a subreaper the orphans of the ones killed. Without
+    a /proc of this PID namespace, only ``children`` (not reaped yet, so their ids are still theirs)."""
+    try:
+        same_namespace = os.readlink("/proc/self") == str(os.getpid())
+    except OSError:  # no /proc
+        same_namespace = False
+    if not same_namespace:
+        for child in children:
+            if child.returncode is None:
+                os.kill(child.pid, signal.SIGKILL)
+        return
     for _ in range(200):
         below = _descendants(os.getpid())
         if not below:
@@ -88,7 +98,7 @@ def main(argv: list[str]) -> int:
     caught: list[int] = []
 
     def stop(signum: int) -> None:
-        _kill_descendants()
+        _kill_descendants(started)
         os._exit(128 + signum)
 
     def on_signal(signum: int, _frame: object) -> None:
