@@ -367,7 +367,8 @@ def _start_builder(tmp_path: Path, script: str, prologue: str = "") -> tuple[sub
     builder.write_text(f"import signal, sys\n{prologue}from flash_compress.jit import build\n"
                        f"status, _ = build._run(['sh', '-c', {script!r}, '{marker}'], echo=True)\n"
                        "print('status', status, file=sys.stderr)\n")
-    env = {**os.environ, "PYTHONPATH": str(JIT_DIR.parents[1])}
+    # The package from this checkout, and whatever else this process imports (tvm-ffi may sit on a PYTHONPATH).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(JIT_DIR.parents[1]), *sys.path])}
     return subprocess.Popen([sys.executable, str(builder)], stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True), marker
 
