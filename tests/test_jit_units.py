@@ -315,11 +315,18 @@ def test_first_errors_from_nvcc_output():
     assert first_errors("no problem words\nlast line") == ("no problem words", "last line")
 
 
+def _guard():
+    """The guard script as a module (Linux only: it uses SIGRTMIN and /proc)."""
+    from flash_compress.jit import _child_guard
+
+    return _child_guard
+
+
 def _running(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie (a container's PID 1 may never reap one)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
+        return _guard()._state_and_parent(pid)[0] != "Z"
+    except OSError:
         return False
 
 
@@ -374,7 +381,7 @@ def _start_builder(tmp_path: Path, script: str, prologue: str = "") -> tuple[sub
 
 
 def _parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return _guard()._state_and_parent(pid)[1]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard uses Linux's PR_SET_PDEATHSIG")
@@ -409,8 +416,7 @@ def test_a_build_stops_whole_when_its_builder_or_guard_is_killed(tmp_path, kill)
 def test_the_guard_follows_proc_only_where_it_numbers_its_own_processes(monkeypatch):
     """The guard finds what is below it through /proc; where /proc is missing or numbers another PID
     namespace's processes, it kills only its own child, whose id it knows."""
-    from flash_compress.jit import _child_guard as guard
-
+    guard = _guard()
     child = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
     below: list[int] = []
     try:

@@ -38,6 +38,13 @@ def _prctl(option: int, value: int) -> bool:
         return False
 
 
+def _state_and_parent(pid: int) -> tuple[str, int]:
+    """Process ``pid``'s state letter (``Z`` for a zombie) and its parent, from /proc; OSError if it is gone."""
+    with open(f"/proc/{pid}/stat") as stat:
+        state, parent = stat.read().rsplit(")", 1)[1].split()[:2]  # after the name, which may hold ")"
+    return state, int(parent)
+
+
 def _descendants(root: int) -> list[int]:
     """The processes below ``root`` that are not zombies, from each process's parent in /proc."""
     children: dict[int, list[int]] = {}
@@ -45,12 +52,11 @@ def _descendants(root: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                state, parent = stat.read().rsplit(")", 1)[1].split()[:2]
+            state, parent = _state_and_parent(int(entry))
         except OSError:
             continue
         if state != "Z":
-            children.setdefault(int(parent), []).append(int(entry))
+            children.setdefault(parent, []).append(int(entry))
     found, frontier = [], [root]
     while frontier:
         below = children.get(frontier.pop(), [])
