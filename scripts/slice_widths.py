@@ -59,12 +59,17 @@ def item_rounds(segments: list[int], width: int, head_dim: int) -> list[int]:
     return [-(-tokens // round_tokens(width)) for tokens in segments for _ in range(slices)]
 
 
+def dealt(rounds: list[int], takers: int) -> list[int]:
+    """Each of ``takers``' rounds, item i going to taker i mod ``takers`` (a warp, or a block)."""
+    per_taker = [0] * takers
+    for item, item_rounds_ in enumerate(rounds):
+        per_taker[item % takers] += item_rounds_
+    return per_taker
+
+
 def dealt_rounds(rounds: list[int], warps: int) -> tuple[int, float]:
     """The busiest warp's rounds and the mean over ``warps``, item i going to warp i mod ``warps``."""
-    per_warp = [0] * warps
-    for item, item_rounds_ in enumerate(rounds):
-        per_warp[item % warps] += item_rounds_
-    return max(per_warp), sum(rounds) / warps
+    return max(dealt(rounds, warps)), sum(rounds) / warps
 
 
 #: Warps of a block that shares its items' rounds evenly (--loads; the balanced experiments' blocks).
@@ -74,10 +79,7 @@ SHARING_WARPS = 8
 def shared_rounds(rounds: list[int], blocks: int, block_warps: int = SHARING_WARPS) -> int:
     """The busiest warp's rounds where item i goes to block i mod ``blocks`` and each block shares its
     items' rounds evenly among its warps (an item of several slices is not split; none is here)."""
-    per_block = [0] * blocks
-    for item, item_rounds_ in enumerate(rounds):
-        per_block[item % blocks] += item_rounds_
-    return -(-max(per_block) // block_warps)
+    return -(-max(dealt(rounds, blocks)) // block_warps)
 
 
 def loads_line(label: str, segments: list[int], option: tuple[int, int, int], head_dim: int, sms: int,
