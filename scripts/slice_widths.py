@@ -39,6 +39,8 @@ from schedule import prefill_pass, round_tokens  # noqa: E402
 
 #: Prefill blocks (64 threads at 128 registers) that fit one SM at once, as prefill_pass counts them.
 BLOCKS_PER_SM = 8
+#: Warps of a prefill block (PrefillLayout::kWarps).
+WARPS_PER_BLOCK = 2
 
 
 def case_segments(cases: list[tuple]) -> list[tuple[str, list[int], list[int]]]:
@@ -82,13 +84,12 @@ def shared_rounds(rounds: list[int], blocks: int, block_warps: int = SHARING_WAR
     return -(-max(dealt(rounds, blocks)) // block_warps)
 
 
-def loads_line(label: str, segments: list[int], option: tuple[int, int, int], head_dim: int, sms: int,
-               block_warps: int = 2) -> str:
-    """A pass's ``--loads`` line; ``option``: its (width, grid, chain), of blocks of ``block_warps``."""
+def loads_line(label: str, segments: list[int], option: tuple[int, int, int], head_dim: int, sms: int) -> str:
+    """A pass's ``--loads`` line; ``option``: its (width, grid, chain)."""
     width, blocks, _ = option
     rounds = item_rounds(segments, width, head_dim)
-    busiest, mean = dealt_rounds(rounds, block_warps * blocks)
-    resident = 16 * sms // SHARING_WARPS  # 16 warps an SM at 128 registers
+    busiest, mean = dealt_rounds(rounds, WARPS_PER_BLOCK * blocks)
+    resident = BLOCKS_PER_SM * WARPS_PER_BLOCK * sms // SHARING_WARPS  # the sharing blocks that fit at once
     shared = shared_rounds(rounds, min(-(-len(rounds) // SHARING_WARPS), resident))
     return (f"    {label} loads: busiest warp {busiest} round{'s' * (busiest != 1)} (mean {mean:.2f}); "
             f"shared in blocks of {SHARING_WARPS}: {shared}")
