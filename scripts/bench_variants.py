@@ -99,9 +99,10 @@ VERIFY_WINDOW = 4
 
 
 def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtype, per_pass: bool = False,
-          decode_batches: list[int] = bench.DECODE_BATCHES) -> dict[str, dict[str, tuple]]:
+          decode_batches: list[int] = bench.DECODE_BATCHES, prefill_only: bool = False) -> dict[str, dict[str, tuple]]:
     """case -> impl -> (call, timed in a graph, launches per graph); states in ``state_dtype``
-    (the reference design's in float32)."""
+    (the reference design's in float32). ``prefill_only`` leaves out decode and verify (their
+    inputs are not even made)."""
     out: dict[str, dict[str, tuple]] = {}
     gen = torch.Generator().manual_seed(0)
     tree = next(iter(impls.values()))
@@ -123,6 +124,8 @@ def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtyp
                 out.setdefault(f"prefill {name} compress pass", {})[impl] = (
                     lambda c=call, p=compress_only: c(p), True, 10)
                 out.setdefault(f"prefill {name} write pass", {})[impl] = (lambda c=call, p=write_only: c(p), True, 10)
+    if prefill_only:
+        return out
     for batch in decode_batches:
         args, _ = bench.decode_case(head_dim, batch)
         for impl, m in impls.items():
@@ -240,18 +243,19 @@ def main() -> int:
         print("check: variants differ from the tree (above); nothing timed", file=sys.stderr)
         return 1
     timed = cases(impls, args.head_dim, args.decode_only, bench.STATE_DTYPES[args.state_dtype], args.per_pass,
-                  args.decode_batches)
-    if args.prefill_only:
-        timed = {case: per_impl for case, per_impl in timed.items() if case.startswith("prefill")}
+                  args.decode_batches, args.prefill_only)
     timings: dict[str, dict[str, list[float]]] = {}
-    for _ in range(args.rounds):
+    for done in range(1, args.rounds + 1):
         for case, per_impl in timed.items():
             for impl, (call, in_graph, launches) in per_impl.items():
                 ms = bench.graph_median_ms(call, launches=launches, iters=20) if in_graph else bench.median_ms(call)
                 timings.setdefault(case, {}).setdefault(impl, []).append(ms * 1e3)
-    print(f"{'case':42} " + " ".join(f"{name:>18}" for name in impls))
-    for case, per_impl in timings.items():
-        print(f"{case:42} " + " ".join(f"{statistics.median(v):9.2f} ({min(v):6.2f})" for v in per_impl.values()))
+        # The table so far after every round, so that a run cut short still leaves its figures.
+        print(f"\n# after round {done} of {args.rounds}: median (min) us per call")
+        print(f"{'case':42} " + " ".join(f"{name:>18}" for name in impls))
+        for case, per_impl in timings.items():
+            print(f"{case:42} " + " ".join(f"{statistics.median(v):9.2f} ({min(v):6.2f})" for v in per_impl.values()),
+                  flush=True)
     return 0
 
 
