@@ -200,8 +200,6 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   const bool has_prior = work.first_pos != 0;
   const int32_t prior_slot = has_prior ? params.load_indices[work.batch_id] : -1;
   const int32_t target_slot = kWritePass ? params.indices[work.batch_id] : 0;
-  const bool slots_ok = (!has_prior || (prior_slot >= 0 && prior_slot < params.num_slots)) &&
-                        (!kWritePass || (target_slot >= 0 && target_slot < params.num_slots));
   SoftmaxState prior;
 
   // Round r of this lane holds its tokens token_lane + r * kRoundTokens + k * kStride, k < kBatch.
@@ -232,34 +230,51 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
 
 #pragma unroll
   for (uint32_t round = 0; round + 1 < Layout::kStages; ++round) fetch_tokens(round);
+  // Checked only once the first round's copies are issued: the check waits for the slots.
+  const bool slots_ok = (!has_prior || (prior_slot >= 0 && prior_slot < params.num_slots)) &&
+                        (!kWritePass || (target_slot >= 0 && target_slot < params.num_slots));
   // Issued once the first round of tokens is in flight (it waits for the
   // slot), and only by the lanes that finish the state.
   if (token_lane == 0 && has_prior && slots_ok) {
     prior = load_state(params.state + static_cast<int64_t>(prior_slot) * (3 * kHeadDim) + channel, kHeadDim);
   }
-  Vec bias[kBatch];
-  load_bias(0, bias);
   SoftmaxPartial part = SoftmaxPartial::empty();
-  for (uint32_t round = 0; round < rounds; ++round) {
-    fetch_tokens(round + Layout::kStages - 1);
-    Vec next_bias[kBatch];
-    load_bias(round + 1, next_bias);
+  // Folds round `round`, whose bias rows `bias` holds, once its copies have landed.
+  const auto fold_round = [&](uint32_t round, const Vec(&bias)[kBatch]) {
     async_copy::wait<Layout::kStages - 1>();  // this round's group has landed
     const uint32_t t0 = token_lane + round * kRoundTokens;
     const uint32_t count = min(kBatch, (work.window_len - t0 + kStride - 1) / kStride);
+    // Every vector of the round is read, those past `count` stale (absorb_tokens masks them).
     Vec kv[kBatch], score[kBatch];
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
-      if (k < count) {
-        kv[k].load(ring.at(round, k, 0));
-        score[k].load(ring.at(round, k, 1));
+      kv[k].load(ring.at(round, k, 0));
+      score[k].load(ring.at(round, k, 1));
 #pragma unroll
-        for (uint32_t c = 0; c < kVecWidth; ++c) score[k][c] += bias[k][c];
-      }
+      for (uint32_t c = 0; c < kVecWidth; ++c) score[k][c] += bias[k][c];
     }
     absorb_tokens<kBatch>(part, kv, score, count);
+  };
+  // Two sets of bias registers that take turns, rounds two at a time: a
+  // round's bias rows are loaded one round ahead into the set the round
+  // after it does not use, so no register copy waits for a load in flight
+  // (with one set, `bias = next_bias` at the end of each round waited for the
+  // next round's rows: a load latency a round for a warp alone on a segment).
+  Vec even_bias[kBatch], odd_bias[kBatch];
 #pragma unroll
-    for (uint32_t k = 0; k < kBatch; ++k) bias[k] = next_bias[k];
+  for (uint32_t k = 0; k < kBatch; ++k) {
+    even_bias[k].fill(0.0f);  // rows past the segment's end keep a defined value
+    odd_bias[k].fill(0.0f);
+  }
+  load_bias(0, even_bias);
+  for (uint32_t round = 0; round < rounds; round += 2) {
+    fetch_tokens(round + Layout::kStages - 1);
+    load_bias(round + 1, odd_bias);
+    fold_round(round, even_bias);
+    if (round + 1 == rounds) break;
+    fetch_tokens(round + Layout::kStages);
+    load_bias(round + 2, even_bias);
+    fold_round(round + 1, odd_bias);
   }
   if constexpr (kStride > 1) merge_token_lanes<Layout::kLanes>(part);
   if (token_lane != 0 || !slots_ok) return;

@@ -40,7 +40,11 @@ struct SoftmaxPartial {
 };
 
 /// \brief Adds the first `count` of `kBatch` tokens to `part`. Their maximum
-/// is taken first, so the running sums are rescaled once per batch.
+/// is taken first, so the running sums are rescaled once per batch. Tokens
+/// past `count` (their values may be anything) are masked by selects, not
+/// skipped by branches: a branch per token and channel kept the compiler from
+/// overlapping their exponentials, and a warp alone on a long segment waits
+/// for each in turn.
 template <uint32_t kBatch>
 SGL_DEVICE void absorb_tokens(SoftmaxPartial& part, const Vec (&kv)[kBatch], const Vec (&score)[kBatch],
                               uint32_t count) {
@@ -48,20 +52,16 @@ SGL_DEVICE void absorb_tokens(SoftmaxPartial& part, const Vec (&kv)[kBatch], con
   for (uint32_t c = 0; c < kVecWidth; ++c) {
     float batch_max = part.max[c];
 #pragma unroll
-    for (uint32_t k = 0; k < kBatch; ++k) {
-      if (k < count) batch_max = fmaxf(batch_max, score[k][c]);
-    }
+    for (uint32_t k = 0; k < kBatch; ++k) batch_max = k < count ? fmaxf(batch_max, score[k][c]) : batch_max;
     // batch_max is finite (count >= 1), so an empty part scales by exp(-inf) = 0.
     const float rescale = expf(part.max[c] - batch_max);
     float sum = part.sum[c] * rescale;
     float acc = part.acc[c] * rescale;
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
-      if (k < count) {
-        const float weight = expf(score[k][c] - batch_max);
-        sum += weight;
-        acc = fmaf(weight, kv[k][c], acc);
-      }
+      const float weight = expf(score[k][c] - batch_max);
+      sum = k < count ? sum + weight : sum;
+      acc = k < count ? fmaf(weight, kv[k][c], acc) : acc;
     }
     part.max[c] = batch_max;
     part.sum[c] = sum;
@@ -106,16 +106,19 @@ SGL_DEVICE SoftmaxState finish_state(const SoftmaxPartial& part) {
 /// \brief The state of the tokens of `prior` followed by those of `part`.
 SGL_DEVICE SoftmaxState finish_state(const SoftmaxPartial& part, const SoftmaxState& prior) {
   SoftmaxState out;
+  Vec weighted_kv;
 #pragma unroll
   for (uint32_t c = 0; c < kVecWidth; ++c) {
     const float max = fmaxf(prior.max[c], part.max[c]);
     const float prior_weight = prior.sum[c] * expf(prior.max[c] - max);
     const float part_scale = expf(part.max[c] - max);
-    const float sum = prior_weight + part.sum[c] * part_scale;
     out.max[c] = max;
-    out.sum[c] = sum;
-    out.kv[c] = (prior.kv[c] * prior_weight + part.acc[c] * part_scale) / sum;
+    out.sum[c] = prior_weight + part.sum[c] * part_scale;
+    weighted_kv[c] = prior.kv[c] * prior_weight + part.acc[c] * part_scale;
   }
+  // The divisions last, as in add_token below.
+#pragma unroll
+  for (uint32_t c = 0; c < kVecWidth; ++c) out.kv[c] = weighted_kv[c] / out.sum[c];
   return out;
 }
 
