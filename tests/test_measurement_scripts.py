@@ -184,3 +184,31 @@ def test_cold_calls_run_each_on_its_own_copy_of_state_input_and_output():
         assert args[0] is not state and torch.equal(args[0], state) and torch.equal(args[1], inputs)
         assert args[2].shape == out.shape and args[3] is ape and args[4] is None
     assert len({args[0].data_ptr() for args in seen}) == 3 and len({args[1].data_ptr() for args in seen}) == 3
+
+
+def test_the_sass_listing_splits_into_functions_by_code_section():
+    functions = load_script("kernel_sass").functions
+    listing = ("\t.target\tsm_90\n"
+               "\t.section\t.text._Z5firstv,\"ax\",@progbits\n_Z5firstv:\n        /*0000*/  LDG.E R2, desc[UR4][R2.64] ;\n"
+               "        /*0010*/  EXIT ;\n"
+               "//--------------------- .text._Z6secondv --------------------------\n"
+               "\t.section\t.text._Z6secondv,\"ax\",@progbits\n_Z6secondv:\n        /*0000*/  EXIT ;\n")
+    split = functions(listing)
+    assert list(split) == ["_Z5firstv", "_Z6secondv"]
+    assert "LDG.E" in split["_Z5firstv"] and "_Z6secondv" not in split["_Z5firstv"]
+    assert split["_Z6secondv"].rstrip().endswith("EXIT ;")
+
+
+@needs_nvcc
+@pytest.mark.nvcc
+def test_kernel_sass_prints_the_code_of_the_kernels_it_is_asked_for(capsys):
+    script = load_script("kernel_sass")
+    from flash_compress.jit.toolchain import find_nvcc
+
+    if script.find_nvdisasm(find_nvcc()) is None:
+        pytest.skip("no nvdisasm (pip install nvidia-cuda-nvdisasm, in the test extra)")
+    assert script.main(["--head-dim", "128", "--state-dtype", "bfloat16", "--kernel", "decode_kernelILl128"]) == 0
+    out = capsys.readouterr().out
+    names = [line.split()[-1] for line in out.splitlines() if line.startswith("Function : ")]
+    assert len(names) == 1 and "c128_decode_kernelILl128ELb1E13__nv_bfloat16" in names[0], names
+    assert "LDG.E" in out and "EXIT" in out and "prefill" not in out
