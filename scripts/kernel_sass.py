@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 from flash_compress.c128_online import spec  # noqa: E402
+from flash_compress.jit.build import compile_flags  # noqa: E402
 from flash_compress.jit.toolchain import find_nvcc  # noqa: E402
 
 #: Where nvdisasm's listing starts each function's code section.
@@ -73,18 +74,14 @@ def variant_sass(head_dim: int, use_pdl: bool, state_dtype: str, arch: str, sour
                  nvcc: Path, nvdisasm: Path) -> dict[str, str]:
     """Every function of the variant's cubin for ``sm_{arch}``, built from ``source``'s csrc/ and include/
     (the tree's when ``None``) with the loader's flags."""
-    import tvm_ffi.libinfo
-
     variant = spec(head_dim, use_pdl, state_dtype)
     if source is not None:
         variant = dataclasses.replace(variant, include_dirs=(source / "csrc", source / "include"))
     with tempfile.TemporaryDirectory(prefix="flash-compress-sass-") as folder:
         unit, cubin = Path(folder) / "unit.cu", Path(folder) / "unit.cubin"
         unit.write_text(variant.translation_unit())
-        includes = [*tvm_ffi.libinfo.include_paths(), *map(str, variant.include_dirs)]
-        build = subprocess.run([str(nvcc), "-cubin", f"-arch=sm_{arch}", *[f"-I{path}" for path in includes],
-                                *variant.extra_cuda_cflags, str(unit), "-o", str(cubin)],
-                               capture_output=True, text=True)
+        build = subprocess.run([str(nvcc), "-cubin", f"-arch=sm_{arch}", *compile_flags(variant), str(unit),
+                                "-o", str(cubin)], capture_output=True, text=True)
         if build.returncode:
             raise SystemExit(f"nvcc failed ({build.returncode}):\n{build.stdout}{build.stderr}")
         dump = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True)

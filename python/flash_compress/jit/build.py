@@ -45,17 +45,25 @@ def first_errors(log: str, limit: int = 20, context: int = 2) -> tuple[str, ...]
     return tuple(lines[j].rstrip() for j in picked[:limit])
 
 
+def compile_flags(spec: JitSpec) -> list[str]:
+    """What every compile of ``spec``'s translation unit takes: its include paths (tvm-ffi's, then the
+    spec's) and its extra nvcc flags."""
+    import tvm_ffi.libinfo
+
+    includes = [*tvm_ffi.libinfo.include_paths(), *map(str, spec.include_dirs)]
+    return [*[f"-I{path}" for path in includes], *spec.extra_cuda_cflags]
+
+
 def nvcc_command(spec: JitSpec, nvcc: Path, arch_list: tuple[str, ...], source: Path, library: Path,
                  threads: int | None) -> list[str]:
     """The one command that builds ``library`` from ``source``: compile for every arch, then link."""
     import tvm_ffi.libinfo
 
-    includes = [*tvm_ffi.libinfo.include_paths(), *map(str, spec.include_dirs)]
     lib_dir = str(Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent)
     return [
         str(nvcc), "-shared", "-Xcompiler=-fPIC", *gencode_flags(arch_list),
         f"--threads={threads if threads is not None else len(arch_list)}",
-        *[f"-I{path}" for path in includes], *spec.extra_cuda_cflags,
+        *compile_flags(spec),
         str(source), "-o", str(library), f"-L{lib_dir}", "-ltvm_ffi", *spec.extra_ldflags,
     ]
 
