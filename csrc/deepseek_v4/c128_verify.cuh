@@ -10,6 +10,7 @@
 #include <sgl_kernel/utils.cuh>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "c128_state.cuh"
 
@@ -66,8 +67,13 @@ __global__ void __launch_bounds__(VerifyLayout<kHeadDim>::kThreads)
   const uint32_t first_pos = static_cast<uint32_t>(seq_len - static_cast<int32_t>(window)) % kC128ChunkSize;
   const int64_t first_row = static_cast<int64_t>(request) * window;
   const int64_t channel = lane * kVecWidth;
+  const StateT* prior = params.state + static_cast<int64_t>(slot) * (3 * kHeadDim) + channel;
+  // A bfloat16 state is widened as soon as it lands, which holds back any
+  // load issued after it: it waits for the first tokens' loads to be issued.
+  // A float32 state needs no widening, and goes first.
+  constexpr bool kStateAfterFirstTokens = !std::is_same_v<StateT, float>;
   SoftmaxState state;
-  if (first_pos != 0) state = load_state(params.state + static_cast<int64_t>(slot) * (3 * kHeadDim) + channel, kHeadDim);
+  if (!kStateAfterFirstTokens && first_pos != 0) state = load_state(prior, kHeadDim);
 
   for (uint32_t j0 = 0; j0 < window; j0 += kAhead) {
     Vec kv[kAhead], score[kAhead], bias[kAhead];
@@ -80,6 +86,7 @@ __global__ void __launch_bounds__(VerifyLayout<kHeadDim>::kThreads)
         bias[k].load_read_only(params.ape + ((first_pos + j0 + k) % kC128ChunkSize) * kHeadDim + channel);
       }
     }
+    if (kStateAfterFirstTokens && j0 == 0 && first_pos != 0) state = load_state(prior, kHeadDim);
 #pragma unroll
     for (uint32_t k = 0; k < kAhead; ++k) {
       const uint32_t j = j0 + k;
