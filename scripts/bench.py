@@ -222,15 +222,18 @@ def run_prefill_case(module, data, plans, state=None):
                        data["indices"], *plans, None)
 
 
-def decode_case(head_dim, batch, device="cuda"):
+def decode_case(head_dim, batch, device="cuda", seed=0):
     """One decode step of `batch` requests at random positions in random slots: the run_decode
-    arguments (extra left out) and the bytes that must cross HBM."""
+    arguments (extra left out) and the bytes that must cross HBM. Slots and positions come from
+    `seed`, so every run times the same step (at B=1, whether the request reads a state or closes its
+    chunk changes the time)."""
+    gen = torch.Generator().manual_seed(seed)
     state = torch.randn(batch, 1, 3 * head_dim, device=device)
     tokens = torch.randn(batch, 2 * head_dim, device=device)
     out = torch.empty(batch, head_dim, device=device)
     ape = torch.randn(CHUNK_SIZE, head_dim, device=device)
-    indices = torch.randperm(batch, dtype=torch.int32).to(device)
-    seq_lens = torch.randint(2, 100000, (batch,), dtype=torch.int32).to(device)
+    indices = torch.randperm(batch, dtype=torch.int32, generator=gen).to(device)
+    seq_lens = torch.randint(2, 100000, (batch,), dtype=torch.int32, generator=gen).to(device)
     pos = (seq_lens.long() - 1) % CHUNK_SIZE
     state_reads = int((pos != 0).sum())
     closing = int((pos == CHUNK_SIZE - 1).sum())
@@ -348,19 +351,21 @@ def run(args) -> list[Row]:
     return rows, ceiling
 
 
-def verify_case(head_dim, batch, window, device="cuda"):
+def verify_case(head_dim, batch, window, device="cuda", seed=0):
     """A verify step of `batch` requests of `window` draft tokens each, at random positions in random
     slots, and the commit after it: the run_verify arguments (float32 state pool), the accepted
-    lengths, and the bytes each must cross HBM."""
+    lengths, and the bytes each must cross HBM. Slots, positions and accepted lengths come from
+    `seed`."""
+    gen = torch.Generator().manual_seed(seed)
     tokens = batch * window
     state = torch.randn(batch, 1, 3 * head_dim, device=device)
     inputs = torch.randn(tokens, 2 * head_dim, device=device)
     out = torch.empty(tokens, head_dim, device=device)
     ape = torch.randn(CHUNK_SIZE, head_dim, device=device)
-    indices = torch.randperm(batch, dtype=torch.int32).to(device)
-    seq_lens = torch.randint(window + 1, 100000, (batch,), dtype=torch.int32).to(device)
+    indices = torch.randperm(batch, dtype=torch.int32, generator=gen).to(device)
+    seq_lens = torch.randint(window + 1, 100000, (batch,), dtype=torch.int32, generator=gen).to(device)
     prefix = torch.empty(tokens, 3 * head_dim, device=device)
-    accept = torch.randint(1, window + 1, (batch,), dtype=torch.int32).to(device)
+    accept = torch.randint(1, window + 1, (batch,), dtype=torch.int32, generator=gen).to(device)
     # Verify reads every input row and the committed state of every request whose window does not start
     # a chunk, writes every prefix state and the row of every token that closes a chunk; commit reads one
     # prefix state per request and writes its slot.
