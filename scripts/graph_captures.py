@@ -63,13 +63,13 @@ def one_after_another(graphs, replays: int = 20) -> list[float]:
     return [statistics.median(us_per_launch(graph) for _ in range(replays)) for graph in graphs]
 
 
-def bandwidth_load(module, head_dim: int, seconds: float) -> None:
+def bandwidth_load(module, head_dim: int, state_dtype: torch.dtype, seconds: float) -> None:
     """Replays prefill calls of 8 x 16384 tokens for `seconds`."""
     planner = flash_compress.c128_online.load_planner()
     data, exact, _, _ = bench.prefill_case(planner, head_dim, 8, 16384, False, torch.Generator().manual_seed(0))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        module.run_prefill(data["state"], data["input"], data["out"], data["ape"], data["indices"], *exact, None)
+        module.run_prefill(data["state"].to(state_dtype), data["input"], data["out"], data["ape"], data["indices"], *exact, None)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         graph.replay()
@@ -106,7 +106,7 @@ def main() -> int:
             at = step[:5] + (torch.full_like(step[5], position + 1 + 7 * CHUNK_SIZE),)
             line(f"all at position {position}, 3 graphs", one_after_another(
                 [capture(lambda at=at: module.run_decode(*at, None)) for _ in range(3)]))
-        bandwidth_load(module, args.head_dim, seconds=5)
+        bandwidth_load(module, args.head_dim, bench.STATE_DTYPES[dtype], seconds=5)
         line("after 5 s of prefill traffic", one_after_another(graphs))
     return 0
 
