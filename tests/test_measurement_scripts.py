@@ -1,6 +1,8 @@
 """The CPU side of the GPU measurement scripts: prefill_scaling.py's line fit, and warp_stamps.py's
 stamp layout, its reading of the stamps, and its kernel edits, which must keep applying to (and
-compiling with) the kernel file as it changes. The scripts themselves need a GPU."""
+compiling with) the kernel file as it changes; slice_widths.py, kernel_sass.py, and make_variant.py,
+which builds the kernel checkouts they and bench_variants.py read. The timing scripts themselves
+need a GPU."""
 
 from __future__ import annotations
 
@@ -212,3 +214,42 @@ def test_kernel_sass_prints_the_code_of_the_kernels_it_is_asked_for(capsys):
     names = [line.split()[-1] for line in out.splitlines() if line.startswith("Function : ")]
     assert len(names) == 1 and "c128_decode_kernelILl128ELb1E13__nv_bfloat16" in names[0], names
     assert "LDG.E" in out and "EXIT" in out and "prefill" not in out
+
+
+def _kernel_patch(path: str, old: str, new: str) -> str:
+    return (f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -1,2 +1,2 @@\n"
+            f" // first line\n-{old}\n+{new}\n")
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="make_variant.py applies patches with git, not installed")
+def test_make_variant_applies_only_kernel_hunks_inside_a_repository(tmp_path):
+    """make_variant.py copies csrc/ and include/ into a folder under the repository (as
+    .variants/ is) and applies a patch's kernel hunks there, not its test hunks; a patch that
+    changes no kernel file, or that does not apply, is refused with its name."""
+    import subprocess
+
+    make_variant = load_script("make_variant").make_variant
+    root = tmp_path / "repo"
+    for path in ("csrc/deepseek_v4/k.cuh", "include/sgl_kernel/h.h", "tests/t.py"):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text("// first line\nint x = 1;\n")
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    both = tmp_path / "both.patch"
+    both.write_text(_kernel_patch("csrc/deepseek_v4/k.cuh", "int x = 1;", "int x = 2;")
+                    + _kernel_patch("tests/t.py", "int x = 1;", "int x = 3;"))
+    folder = root / ".variants" / "ck_both"
+    assert make_variant(folder, [both], root=root) == {both: ["csrc/deepseek_v4/k.cuh"]}
+    assert (folder / "csrc/deepseek_v4/k.cuh").read_text().endswith("int x = 2;\n")
+    assert (folder / "include/sgl_kernel/h.h").is_file() and not (folder / "tests").exists()
+    assert (root / "csrc/deepseek_v4/k.cuh").read_text().endswith("int x = 1;\n")  # the tree is untouched
+
+    tests_only = tmp_path / "tests_only.patch"
+    tests_only.write_text(_kernel_patch("tests/t.py", "int x = 1;", "int x = 3;"))
+    with pytest.raises(ValueError, match=r"tests_only\.patch: changes no file under csrc or include/"):
+        make_variant(folder, [tests_only], root=root)
+    stale = tmp_path / "stale.patch"
+    stale.write_text(_kernel_patch("csrc/deepseek_v4/k.cuh", "int x = 7;", "int x = 8;"))
+    with pytest.raises(ValueError, match=r"stale\.patch: does not apply on .*patch does not apply"):
+        make_variant(folder, [stale], root=root)
+    with pytest.raises(ValueError, match="folder: expected a new folder"):
+        make_variant(root, [both], root=root)
