@@ -70,8 +70,8 @@ def median_ms(fn, iters: int = 50, warmup: int = 5, before=None) -> float:
     return statistics.median(times)
 
 
-def graph_median_ms(fn, launches: int = 100, iters: int = 30) -> float:
-    """Median time of one `fn` call, from replays of a graph holding `launches` calls."""
+def capture_graph(fn, launches: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `launches` calls of `fn`, captured after 3 warm-up calls on a side stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -82,7 +82,12 @@ def graph_median_ms(fn, launches: int = 100, iters: int = 30) -> float:
     with torch.cuda.graph(graph):
         for _ in range(launches):
             fn()
-    return median_ms(graph.replay, iters=iters) / launches
+    return graph
+
+
+def graph_median_ms(fn, launches: int = 100, iters: int = 30) -> float:
+    """Median time of one `fn` call, from replays of a graph holding `launches` calls."""
+    return median_ms(capture_graph(fn, launches).replay, iters=iters) / launches
 
 
 def l2_bytes() -> int:

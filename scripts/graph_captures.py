@@ -33,14 +33,6 @@ from flash_compress.plan_rows import CHUNK_SIZE  # noqa: E402
 LAUNCHES = 100
 
 
-def capture(call) -> torch.cuda.CUDAGraph:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(LAUNCHES):
-            call()
-    return graph
-
-
 def us_per_launch(graph: torch.cuda.CUDAGraph) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -67,9 +59,9 @@ def bandwidth_load(module, head_dim: int, state_dtype: torch.dtype, seconds: flo
     """Replays prefill calls of 8 x 16384 tokens for `seconds`."""
     planner = flash_compress.c128_online.load_planner()
     data, exact, _, _ = bench.prefill_case(planner, head_dim, 8, 16384, False, torch.Generator().manual_seed(0))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        module.run_prefill(data["state"].to(state_dtype), data["input"], data["out"], data["ape"], data["indices"], *exact, None)
+    state = data["state"].to(state_dtype)
+    graph = bench.capture_graph(
+        lambda: module.run_prefill(state, data["input"], data["out"], data["ape"], data["indices"], *exact, None), 1)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         graph.replay()
@@ -98,14 +90,14 @@ def main() -> int:
         step = (step[0].to(bench.STATE_DTYPES[dtype]), *step[1:])
         positions = ((step[5].long() - 1) % CHUNK_SIZE)[:4].tolist()
         print(f"{dtype} (first positions {positions}):")
-        graphs = [capture(lambda: module.run_decode(*step, None)) for _ in range(args.captures)]
+        graphs = [bench.capture_graph(lambda: module.run_decode(*step, None), LAUNCHES) for _ in range(args.captures)]
         one_after_another(graphs, replays=3)
         line("graphs in turn", in_turn(graphs))
         line("graphs one after another", one_after_another(graphs))
         for position in (0, 5, CHUNK_SIZE - 2, CHUNK_SIZE - 1):
             at = step[:5] + (torch.full_like(step[5], position + 1 + 7 * CHUNK_SIZE),)
             line(f"all at position {position}, 3 graphs", one_after_another(
-                [capture(lambda at=at: module.run_decode(*at, None)) for _ in range(3)]))
+                [bench.capture_graph(lambda at=at: module.run_decode(*at, None), LAUNCHES) for _ in range(3)]))
         bandwidth_load(module, args.head_dim, bench.STATE_DTYPES[dtype], seconds=5)
         line("after 5 s of prefill traffic", one_after_another(graphs))
     return 0
