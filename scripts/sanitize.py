@@ -24,8 +24,9 @@ host<->device copies and our kernels; no torch kernel runs to report on):
    (accepted lengths 0 or above T, slots outside the pool, seq_len < T); the
    float32 variant runs the same verify steps;
 5. the fewest requests whose write-only step, and then whose compress pass,
-   run 32-channel slices (one of the four widths ``choose_slice_width``
-   picks from);
+   run 32-channel slices (one of the widths ``choose_slice_width`` picks
+   from), then the fewest whose compress pass runs 128-channel ones (write
+   passes run none that wide);
 6. ``head_dim=192``, a head dim that is not a power of two (48 lanes a
    request in decode and verify, so blocks that are not whole warps), both
    state dtypes: a schedule with compact prefills and verify + commit steps
@@ -165,8 +166,9 @@ def _driver(use_pdl: bool) -> None:
         print(f"{dtype}: {h.stats.prefill_calls} prefill ({h.stats.compact_calls} compact), "
               f"{h.stats.decode_calls} decode calls, verify steps done", flush=True)
 
-    # 5. 32-channel slices.
+    # 5. 32-channel slices, and 128-channel ones (compress passes only).
     _slice_width_steps(run, HEAD_DIM, 32, seed=6)
+    _slice_width_steps(run, HEAD_DIM, 128, seed=9)
 
     # 6. A head dim that is not a power of two, both state dtypes.
     odd_runs = {state_dtype: DeviceRunner(flash_compress.load_module(head_dim=ODD_HEAD_DIM, use_pdl=use_pdl,

@@ -106,7 +106,7 @@ def describe(head_dim: int, sms: int, cases: list[tuple], loads: bool = False) -
         if compress:
             line += f" compress {compress_rows} x {compress[0]}: {compress[1]} blocks, chain {compress[2]}"
         if write_rows:
-            write = prefill_pass(write_rows, head_dim, sms, beside=compress)
+            write = prefill_pass(write_rows, head_dim, sms, beside=compress, write_pass=True)
             where = "" if not compress else ", beside" if compress[1] + write[1] <= resident else ", after"
             rounds = -(-longest // round_tokens(write[0]))
             line += (f"  write {write_rows} x {write[0]}: {write[1]} blocks, chain {write[2]}{where}; longest "

@@ -103,6 +103,8 @@ from flash_compress.plan_rows import CHUNK_SIZE, PADDING_BYTE, PADDING_ROW, ROW_
 
 __all__ = [
     "SLICE_WIDTHS",
+    "WIDEST_WRITE_SLICE",
+    "slice_widths",
     "SHADOW_MAX_FLIP_RATE",
     "SHADOW_ROW_RTOL",
     "Request",
@@ -160,8 +162,18 @@ def bf16_state_flips(got: torch.Tensor, want: torch.Tensor, what: str) -> int:
     return int(differ.sum())
 
 
-#: Channel slice widths a prefill pass may run with, widest first (``kSliceDims`` in ``c128_slice_width.cuh``).
-SLICE_WIDTHS = (64, 32, 16, 8)
+#: Channel slice widths a prefill pass may run with, widest first (``kSliceDims`` in ``c128_slice_width.cuh``),
+#: where the pass may run them (:func:`slice_widths`).
+SLICE_WIDTHS = (128, 64, 32, 16, 8)
+#: The widest slice a write pass runs (``kWidestWriteSlice``).
+WIDEST_WRITE_SLICE = 64
+
+
+def slice_widths(head_dim: int, write_pass: bool = False) -> tuple[int, ...]:
+    """The widths a pass at ``head_dim`` may run, widest first (``slice_fits``): those that divide
+    head_dim, and for a write pass none wider than :data:`WIDEST_WRITE_SLICE`."""
+    return tuple(width for width in SLICE_WIDTHS
+                 if head_dim % width == 0 and (not write_pass or width <= WIDEST_WRITE_SLICE))
 
 
 def round_tokens(width: int) -> int:
@@ -170,27 +182,29 @@ def round_tokens(width: int) -> int:
     return 4 * (32 // (width // 4))
 
 
-def prefill_pass(rows: int, head_dim: int, multiprocessors: int,
-                 beside: Optional[tuple[int, int, int]] = None, padding_rows: int = 0) -> tuple[int, int, int]:
+def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optional[tuple[int, int, int]] = None,
+                 padding_rows: int = 0, write_pass: bool = False) -> tuple[int, int, int]:
     """``(width, grid, chain)`` that ``choose_slice_width`` (``csrc/deepseek_v4/c128_slice_width.cuh``)
     picks for a pass of ``rows`` live rows and ``padding_rows`` CUDA-graph padding rows after them, on
     a GPU with this many multiprocessors and 16 resident prefill warps (8 blocks) on each;
+    ``write_pass``: a write pass, which runs no slice wider than :data:`WIDEST_WRITE_SLICE`;
     ``beside``: what it picked for the compress pass a write pass starts beside. A mirror of its rule
     for the GPU tests that must reach every width (``tests/test_headers_nvcc.py`` checks it against
     the compiled rule): the width whose busiest warp has the shortest chain of dependent loads
     (waves of items times rounds per 128-token segment), a narrower width only where it cuts the
     chain, 16 or 8 channels (runs of 64 bytes or less) only where they halve the shortest chain of
     the longer-run widths, 8 channels only where their items fill at most a quarter of the warps,
-    none but 64 channels where padding rows would take a warp over 4 rounds of 32 to skip; a write
+    none but the widest where padding rows would take a warp over 4 rounds of 32 to skip; a write
     pass beside a compress pass where its grid fits in the slots left free and the two chains side
     by side take no longer than in turn."""
     resident = 8 * multiprocessors
     warps = 2 * resident
     options = []
-    for width in SLICE_WIDTHS:
+    widths = slice_widths(head_dim, write_pass)
+    for width in widths:
         split_items = rows * (head_dim // width)
         items = split_items + padding_rows
-        if width != SLICE_WIDTHS[0] and (items // (warps * 32) > 4 or (width == 8 and 4 * items > warps)):
+        if width != widths[0] and (items // (warps * 32) > 4 or (width == 8 and 4 * items > warps)):
             continue
         chain = -(-split_items // warps) * -(-CHUNK_SIZE // round_tokens(width))
         options.append((width, min(-(-items // 2), resident), chain))
@@ -216,7 +230,8 @@ def rows_for_slice_width(head_dim: int, multiprocessors: int) -> dict[int, int]:
     found: dict[int, int] = {}
     for rows in range(1, 64 * multiprocessors):
         found.setdefault(prefill_pass(rows, head_dim, multiprocessors)[0], rows)
-    assert set(found) == set(SLICE_WIDTHS), f"this GPU has no row count for widths {set(SLICE_WIDTHS) - set(found)}"
+    missing = set(slice_widths(head_dim)) - set(found)
+    assert not missing, f"this GPU has no row count for widths {missing}"
     return found
 
 

@@ -4,7 +4,8 @@ A variant builds for any multiple of 64 in [64, 1024] (``is_supported_head_dim``
 the head dim is how threads map onto channels: decode and verify give a request ``head_dim / 4``
 lanes, which is under a warp at 64, not a power of two at 192 and 320 (so bf16 decode does not run
 at a full SM of threads there), and 256 (a whole block) at 1024; a prefill pass splits the channels
-into 1 to 128 slices of 64, 32, 16 or 8. One mixed schedule per (head_dim, state dtype), PDL on:
+into 1 to 128 slices of 64, 32, 16 or 8 (a compress pass at 1024 also 8 of 128). One mixed schedule
+per (head_dim, state dtype), PDL on:
 prefills (exact, CUDA-graph and compact plans, slot moves), decode steps and speculative verify +
 commit steps, every row and state against the float64 oracle and, step by step, against the
 reference that emulates the pool's stores (``tests/schedule.py``). Its passes are a few rows, so they
@@ -62,7 +63,7 @@ def test_32_and_64_channel_slices(variants, head_dim, state_dtype):
                         num_slots=rows[64] + 1, max_requests=rows[64], state_dtype=getattr(torch, state_dtype))
     batch = [h.start_request() for _ in range(rows[64])]
     h.prefill_step([(r, 60, None) for r in batch])  # write rows only
-    reached = {("write", prefill_pass(rows[64], head_dim, sms)[0])}
+    reached = {("write", prefill_pass(rows[64], head_dim, sms, write_pass=True)[0])}
     for count in (rows[32], rows[64]):
         h.prefill_step([(r, 128, None) for r in batch[:count]])
         reached.add(("compress", prefill_pass(count, head_dim, sms)[0]))

@@ -16,7 +16,7 @@ import torch
 from flash_compress import reference as ref
 from flash_compress.c128_online import HEAD_DIMS_TESTED
 from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
-from schedule import SLICE_WIDTHS, ScheduleHarness, plan_with, prefill_pass, rows_for_slice_width, run_schedule
+from schedule import ScheduleHarness, plan_with, prefill_pass, rows_for_slice_width, run_schedule, slice_widths
 
 pytestmark = pytest.mark.gpu
 
@@ -59,9 +59,10 @@ def test_prefill_heavy_schedule_with_relocation(gpu, use_pdl, cuda_graph):
 
 @pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])
 def test_every_channel_slice_width(gpu, use_pdl):
-    """Each prefill pass runs each of its four channel slice widths in some step
-    (``choose_slice_width``, mirrored by ``prefill_pass``; on an H200 at head_dim 512 a
-    compress pass of 1-8 rows runs 8 channels, 9-66 16, 67-132 32, 133-264 64): write-only steps of
+    """Each prefill pass runs each of its channel slice widths in some step
+    (``choose_slice_width``, mirrored by ``prefill_pass``; on 132 SMs at head_dim 512 a compress
+    pass of 1-8 rows runs 8 channels, 9-66 16, 67-132 32, 133-264 64, 397-528 128; a write pass
+    runs no more than 64): write-only steps of
     ``rows[32]`` and then 240 requests, a step of mid-chunk starts, then for each width the fewest
     requests whose compress pass runs it, 128 tokens from mid-chunk (one compress and at most one
     write row each). The widths the steps reach are asserted through the mirror, the results
@@ -69,20 +70,25 @@ def test_every_channel_slice_width(gpu, use_pdl):
     module = kernels(512, use_pdl)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = rows_for_slice_width(512, sms)
-    h = ScheduleHarness(module, head_dim=512, device="cuda", seed=11, num_slots=250, max_requests=240)
-    batch = [h.start_request() for _ in range(240)]
+    requests = max(240, *rows.values())
+    h = ScheduleHarness(module, head_dim=512, device="cuda", seed=11, num_slots=requests + 10,
+                        max_requests=requests)
+    batch = [h.start_request() for _ in range(requests)]
     reached: set[tuple[str, int]] = set()
     h.prefill_step([(r, h.rng.randint(1, 100), None) for r in batch[: rows[32]]])  # write rows only
-    h.prefill_step([(r, h.rng.randint(1, 27), None) for r in batch])  # write rows only, none closes
-    reached |= {("write", prefill_pass(rows[32], 512, sms)[0]), ("write", prefill_pass(240, 512, sms)[0])}
+    h.prefill_step([(r, h.rng.randint(1, 27), None) for r in batch[:240]])  # write rows only, none closes
+    reached |= {("write", prefill_pass(rows[32], 512, sms, write_pass=True)[0]),
+                ("write", prefill_pass(240, 512, sms, write_pass=True)[0])}
     h.prefill_step([(r, h.rng.randint(1, 300), None) for r in batch])  # mid-chunk starts
     for width, count in sorted(rows.items()):
         h.prefill_step([(r, 128, None) for r in batch[:count]])
         compress = prefill_pass(count, 512, sms)
-        reached |= {("compress", compress[0]), ("write", prefill_pass(count, 512, sms, beside=compress)[0])}
+        reached |= {("compress", compress[0]),
+                    ("write", prefill_pass(count, 512, sms, beside=compress, write_pass=True)[0])}
     h.check_live_states()
-    assert reached == {(p, w) for p in ("compress", "write") for w in SLICE_WIDTHS}, sorted(reached)
-    assert h.stats.prefill_calls == 7 and h.stats.rows_checked >= sum(rows.values())  # a row per 128-token request
+    assert reached == ({("compress", w) for w in slice_widths(512)} |
+                       {("write", w) for w in slice_widths(512, write_pass=True)}), sorted(reached)
+    assert h.stats.prefill_calls == 3 + len(rows) and h.stats.rows_checked >= sum(rows.values())  # a row per 128-token request
 
 
 @pytest.mark.parametrize("use_pdl", PDL, ids=["pdl0", "pdl1"])

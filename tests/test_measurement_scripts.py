@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from schedule import round_tokens
+from schedule import SLICE_WIDTHS, round_tokens
 from test_headers_nvcc import compile_alone, needs_nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def test_slice_widths_prints_every_bench_case_with_a_width_and_a_grid_that_fits(
     assert [line.split()[0] for line in lines[1:]] == [name.split()[0] for name, *_ in script.bench.PREFILL_CASES]
     for line in lines[1:]:
         passes = re.findall(r"x (\d+): (\d+) blocks", line)
-        assert passes and all(int(w) in (8, 16, 32, 64) and 0 < int(b) <= 1056 for w, b in passes), line
+        assert passes and all(int(w) in SLICE_WIDTHS and 0 < int(b) <= 1056 for w, b in passes), line
         if write := re.search(r"write \d+ x (\d+):.*; longest (\d+) tokens?, (\d+) rounds?$", line):
             width, longest, rounds = map(int, write.groups())
             assert 0 < longest < 128 and rounds == -(-longest // round_tokens(width)), line

@@ -344,14 +344,17 @@ struct C128Online {
     params.num_split_rows = static_cast<uint32_t>(std::min<int64_t>(params.num_rows, max_live_rows));
     const auto resident = per_slice_width(
         [&]<class Width>(Width) { return pass_resident_blocks<kWritePass, Width::kDim>(device); });
-    const SliceOption chosen = choose_slice_width<kHeadDim>(
+    const SliceOption chosen = choose_slice_width<kHeadDim, kWritePass>(
         params.num_split_rows, int64_t{params.num_rows} - params.num_split_rows, resident, beside);
     // A compress pass that a write pass follows lets it launch at once, so
     // that its blocks fill the SMs this pass's tail leaves idle.
     const bool starts_write_pass = !kWritePass && params.overlap_passes;
-    const bool launched = with_slice_width(chosen.slice_dim, [&]<class Width>(Width) {
-      launch_grid<kWritePass, Width::kDim>(params, device, chosen, starts_write_pass);
-    });
+    const bool launched = slice_fits<kHeadDim, kWritePass>(chosen.slice_dim) &&
+                          with_slice_width(chosen.slice_dim, [&]<class Width>(Width) {
+                            if constexpr (slice_fits<kHeadDim, kWritePass>(Width::kDim)) {
+                              launch_grid<kWritePass, Width::kDim>(params, device, chosen, starts_write_pass);
+                            }
+                          });
     host::RuntimeCheck(launched, "prefill slice width ", chosen.slice_dim, " has no kernel");
     return chosen;
   }
@@ -400,8 +403,12 @@ struct C128Online {
   /// \brief Blocks of one pass's kernel at one slice width that fit on the GPU at once.
   template <bool kWritePass, uint32_t kSliceDim>
   static int64_t pass_resident_blocks(DLDevice device) {
-    return resident_blocks<c128_prefill_kernel<kHeadDim, kSliceDim, kWritePass, kUsePDL, StateT>,
-                           PrefillLayout<kHeadDim, kSliceDim>>(device);
+    if constexpr (!slice_fits<kHeadDim, kWritePass>(kSliceDim)) {
+      return 0;
+    } else {
+      return resident_blocks<c128_prefill_kernel<kHeadDim, kSliceDim, kWritePass, kUsePDL, StateT>,
+                             PrefillLayout<kHeadDim, kSliceDim>>(device);
+    }
   }
 
   /// \brief Blocks of a prefill kernel that fit on the GPU at once, with

@@ -16,9 +16,36 @@
 namespace flash_compress::c128 {
 
 /// Channel slice widths a prefill pass may run with (PrefillLayout), widest
-/// first. Every list of per-width values below is indexed like this one.
-inline constexpr std::array<uint32_t, 4> kSliceDims = {64, 32, 16, 8};
+/// first, where a pass may run them (slice_fits). Every list of per-width
+/// values below is indexed like this one.
+inline constexpr std::array<uint32_t, 5> kSliceDims = {128, 64, 32, 16, 8};
 inline constexpr size_t kNumSliceDims = kSliceDims.size();
+
+/// The widest slice a write pass runs. Its segments are partial chunks, and
+/// when it overlaps the compress pass's tail, its end is set by its longest
+/// segment's chain of dependent loads, which 128-channel slices double
+/// (head_dim 1024, 256 x 300 tokens on an H100: 224.9 -> 228.6 us in graph,
+/// though each pass alone got faster). Compress passes stream whole chunks,
+/// where 128-channel slices read 512 contiguous bytes a token and merge no
+/// token lanes (8 x 16384: 369.7 -> 364.8 us). docs/PERF_LOG.md has the runs.
+inline constexpr uint32_t kWidestWriteSlice = 64;
+
+/// \brief Whether a pass at this head_dim may run slices of this width: they
+/// must divide head_dim (128 needs a multiple of 128; every supported head_dim
+/// is one of 64), and a write pass runs none wider than kWidestWriteSlice.
+template <int64_t kHeadDim, bool kWritePass>
+constexpr bool slice_fits(uint32_t slice_dim) {
+  return kHeadDim % slice_dim == 0 && (!kWritePass || slice_dim <= kWidestWriteSlice);
+}
+
+/// \brief The widest slice a pass may run: the one it may always run.
+template <int64_t kHeadDim, bool kWritePass>
+constexpr uint32_t widest_slice() {
+  for (const uint32_t slice_dim : kSliceDims) {
+    if (slice_fits<kHeadDim, kWritePass>(slice_dim)) return slice_dim;
+  }
+  return 0;
+}
 
 /// \brief The width kSliceDims[kIndex] as a type, for code that needs it at
 /// compile time (a kernel template argument).
@@ -71,26 +98,30 @@ struct SliceOption {
 /// \brief A pass of `split_rows` rows split into slices (every live row
 /// among them) and `other_rows` rows that are not (CUDA-graph padding) at
 /// `kSliceDim` channels, `resident` of whose blocks fit the GPU at once.
-template <int64_t kHeadDim, uint32_t kSliceDim>
+template <int64_t kHeadDim, bool kWritePass, uint32_t kSliceDim>
 SliceOption slice_option(int64_t split_rows, int64_t other_rows, int64_t resident) {
-  using Layout = PrefillLayout<kHeadDim, kSliceDim>;
-  constexpr int64_t kRoundTokens = Layout::kTokenLanes * Layout::kBatch;
-  constexpr int64_t kRoundsPerChunk = (kC128ChunkSize + kRoundTokens - 1) / kRoundTokens;
-  const int64_t warps = resident * Layout::kWarps;
-  const int64_t split_items = split_rows * Layout::kSlices;
-  const auto items = static_cast<int64_t>(pass_items(split_rows, other_rows, Layout::kSlices));
-  // Every warp decodes 32 items per round, padding rows included.
-  const int64_t scan_rounds = items / (warps * ::device::kWarpThreads);
-  return SliceOption{
-      .slice_dim = kSliceDim,
-      // One warp per item up to a full GPU; beyond that warps loop (a grid
-      // of mostly-idle blocks would only cost launch and scheduling time).
-      .blocks = std::min((items + Layout::kWarps - 1) / Layout::kWarps, resident),
-      .resident = resident,
-      .chain = (split_items + warps - 1) / warps * kRoundsPerChunk,
-      .eligible = kSliceDim == kSliceDims.front() ||
-                  (scan_rounds <= kMaxNarrowScanRounds && (kSliceDim != kSliceDims.back() || 4 * items <= warps)),
-  };
+  if constexpr (!slice_fits<kHeadDim, kWritePass>(kSliceDim)) {
+    return SliceOption{.slice_dim = kSliceDim, .blocks = 0, .resident = resident, .chain = 0, .eligible = false};
+  } else {
+    using Layout = PrefillLayout<kHeadDim, kSliceDim>;
+    constexpr int64_t kRoundTokens = Layout::kTokenLanes * Layout::kBatch;
+    constexpr int64_t kRoundsPerChunk = (kC128ChunkSize + kRoundTokens - 1) / kRoundTokens;
+    const int64_t warps = resident * Layout::kWarps;
+    const int64_t split_items = split_rows * Layout::kSlices;
+    const auto items = static_cast<int64_t>(pass_items(split_rows, other_rows, Layout::kSlices));
+    // Every warp decodes 32 items per round, padding rows included.
+    const int64_t scan_rounds = items / (warps * ::device::kWarpThreads);
+    return SliceOption{
+        .slice_dim = kSliceDim,
+        // One warp per item up to a full GPU; beyond that warps loop (a grid
+        // of mostly-idle blocks would only cost launch and scheduling time).
+        .blocks = std::min((items + Layout::kWarps - 1) / Layout::kWarps, resident),
+        .resident = resident,
+        .chain = (split_items + warps - 1) / warps * kRoundsPerChunk,
+        .eligible = kSliceDim == widest_slice<kHeadDim, kWritePass>() ||
+                    (scan_rounds <= kMaxNarrowScanRounds && (kSliceDim != kSliceDims.back() || 4 * items <= warps)),
+    };
+  }
 }
 
 /// \brief Of the options that `fits`, widest first, the one with the
@@ -130,11 +161,11 @@ const SliceOption* shortest_chain(const std::array<SliceOption, kNumSliceDims>& 
 /// the two in turn (head_dim 128, 256 x 300 tokens: 28.6 -> 25.9 us with
 /// 64-channel slices beside the compress pass where 16-channel ones ran
 /// after it).
-template <int64_t kHeadDim>
+template <int64_t kHeadDim, bool kWritePass>
 SliceOption choose_slice_width(int64_t split_rows, int64_t other_rows,
                                const std::array<int64_t, kNumSliceDims>& resident, const SliceOption* beside) {
   const auto options = per_slice_width([&]<class Width>(Width) {
-    return slice_option<kHeadDim, Width::kDim>(split_rows, other_rows, resident[Width::kPosition]);
+    return slice_option<kHeadDim, kWritePass, Width::kDim>(split_rows, other_rows, resident[Width::kPosition]);
   });
   const SliceOption* chosen = shortest_chain(options, [](const SliceOption&) { return true; });
   if (beside != nullptr && beside->blocks > 0) {
