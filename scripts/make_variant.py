@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Makes a kernel checkout from experiment patches, for bench_variants.py and kernel_sass.py.
 
-    python scripts/make_variant.py .variants/ck_wide docs/experiments/wide_slices.patch [MORE.patch ...]
+    python scripts/make_variant.py .variants/ck_ww docs/experiments/wide_write_slices.patch [MORE.patch ...]
 
 Copies the working tree's ``csrc/`` and ``include/`` into the folder (replacing it), then applies
 each patch's hunks on those two folders, in the order given; hunks on tests or scripts are left out.
