@@ -127,6 +127,30 @@ def test_decode_and_verify_batches_that_fill_most_of_the_gpu(gpu):
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [512, 1024])
+def test_128_channel_compress_slices_fold_prior_states(gpu, head_dim, state_dtype):
+    """The fewest requests whose compress pass runs 128-channel slices (``rows_for_slice_width``; 397
+    at head_dim 512 and 199 at 1024 on 132 SMs), in both state dtypes: a write-only step of 60 tokens
+    each, then two steps of 128 (the second with a CUDA-graph plan), so that every compress row
+    folds a stored state into 68 tokens from position 60 and every write row starts a chunk; its
+    write passes run 64 channels or fewer. Against the float64 oracle and the store-emulating
+    reference, with poisoned outputs and untouched slots checked bitwise."""
+    module = kernels(head_dim, True, state_dtype)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    count = rows_for_slice_width(head_dim, sms)[128]
+    compress = prefill_pass(count, head_dim, sms)
+    assert compress[0] == 128 and prefill_pass(count, head_dim, sms, beside=compress, write_pass=True)[0] <= 64
+    h = ScheduleHarness(module, head_dim=head_dim, device="cuda", seed=57 + head_dim, num_slots=count + 2,
+                        max_requests=count, state_dtype=getattr(torch, state_dtype))
+    batch = [h.start_request() for _ in range(count)]
+    h.prefill_step([(r, 60, None) for r in batch])  # write rows only
+    h.prefill_step([(r, CHUNK_SIZE, None) for r in batch])
+    h.prefill_step([(r, CHUNK_SIZE, None) for r in batch], use_cuda_graph=True)
+    h.check_live_states()
+    assert h.stats.prefill_calls == 3 and h.stats.rows_checked >= 2 * count
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [128, 512])
 def test_write_passes_of_long_open_chunks_among_one_token_rows(gpu, head_dim, state_dtype):
     """Write passes of 256 rows in which 1 to 256 requests extend by 17 to 127 tokens (an open-chunk
