@@ -1,7 +1,8 @@
 """Time edited copies of the kernel header against the tree (and the reference design) in one process.
 
     python scripts/bench_variants.py [--reference SEED] [--rounds 5] [--decode-only] [--state-dtype bfloat16]
-                                     [--per-pass] [--prefill-only] [--check] [--decode-batches B ...] NAME=PATH ...
+                                     [--per-pass] [--prefill-only] [--shapes] [--check] [--decode-batches B ...]
+                                     NAME=PATH ...
 
 Each NAME=PATH is a variant of the kernel sources, built as its own JIT variant
 with the tree's build spec (exports, template values). PATH is either a folder
@@ -17,7 +18,9 @@ the median and the minimum over rounds (us). Decode and verify steps (T=4) run
 in CUDA graphs up to B=4096 (verify always). Prefill cases are timed three
 ways: one call with exact plans between events, the same in a CUDA graph of 10
 calls (kernels alone), and with ``use_cuda_graph`` plans. This is how the
-sweeps of docs/PERFORMANCE.md were measured.
+sweeps of docs/PERFORMANCE.md were measured. ``--shapes`` runs bench_shapes.py's
+prefill shapes instead of bench.py's prefill cases, for a change whose rule picks
+other widths or grids on shapes bench.py does not have.
 
 ``--check`` first runs every variant and the tree once on each case (prefill
 with exact and padded plans, twice in a row, plus a case that reads its prior
@@ -220,6 +223,7 @@ def main() -> int:
     parser.add_argument("--state-dtype", choices=list(bench.STATE_DTYPES), default="float32")
     parser.add_argument("--per-pass", action="store_true", help="also time each prefill pass alone, in graph")
     parser.add_argument("--prefill-only", action="store_true")
+    parser.add_argument("--shapes", action="store_true", help="bench_shapes.py's prefill shapes, not bench.py's cases")
     parser.add_argument("--check", action="store_true", help="first compare every variant with the tree, bitwise")
     parser.add_argument("--decode-batches", type=int, nargs="+", default=bench.DECODE_BATCHES, metavar="B",
                         help=f"decode batch sizes to time (default {' '.join(map(str, bench.DECODE_BATCHES))})")
@@ -227,6 +231,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_variants.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.shapes:
+        import bench_shapes
+
+        bench.PREFILL_CASES = bench_shapes.SHAPES
     loaders = {"tree": lambda: flash_compress.load_module(args.head_dim, use_pdl=True, state_dtype=args.state_dtype)}
     with tempfile.TemporaryDirectory(prefix="flash-compress-variants-") as source_root:
         for name, files in args.variants:
