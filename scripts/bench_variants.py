@@ -50,13 +50,9 @@ import bench  # noqa: E402
 import flash_compress  # noqa: E402
 from flash_compress import jit  # noqa: E402
 from flash_compress.c128_online import spec  # noqa: E402
+from make_variant import checkout_include_dirs, is_checkout  # noqa: E402
 
 KERNEL_DIR = ROOT / "csrc" / "deepseek_v4"
-
-
-def is_checkout(path: Path) -> bool:
-    """Whether ``path`` holds a whole source tree (``csrc/deepseek_v4/`` and ``include/``), not kernel files."""
-    return (path / "csrc" / "deepseek_v4").is_dir() and (path / "include").is_dir()
 
 
 def variant_spec(name: str, files: Path, head_dim: int, source_root: Path, state_dtype: str) -> jit.JitSpec:
@@ -65,7 +61,7 @@ def variant_spec(name: str, files: Path, head_dim: int, source_root: Path, state
     under ``source_root``)."""
     tree = spec(head_dim, True, state_dtype)
     if is_checkout(files):
-        include_dirs = (files / "csrc", files / "include")
+        include_dirs = checkout_include_dirs(files)
     else:
         folder = source_root / name / "deepseek_v4"
         shutil.copytree(KERNEL_DIR, folder)

@@ -32,10 +32,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
+sys.path[:0] = [str(ROOT / "python"), str(ROOT / "scripts")]
 from flash_compress.c128_online import spec  # noqa: E402
 from flash_compress.jit.build import compile_flags  # noqa: E402
 from flash_compress.jit.toolchain import find_nvcc  # noqa: E402
+from make_variant import checkout_include_dirs, is_checkout  # noqa: E402
 
 #: Where nvdisasm's listing starts each function's code section.
 _FUNCTION = re.compile(r"^\s*\.section\s+\.text\.([^,\s]+),.*$", re.MULTILINE)
@@ -76,7 +77,7 @@ def variant_sass(head_dim: int, use_pdl: bool, state_dtype: str, arch: str, sour
     (the tree's when ``None``) with the loader's flags."""
     variant = spec(head_dim, use_pdl, state_dtype)
     if source is not None:
-        variant = dataclasses.replace(variant, include_dirs=(source / "csrc", source / "include"))
+        variant = dataclasses.replace(variant, include_dirs=checkout_include_dirs(source))
     with tempfile.TemporaryDirectory(prefix="flash-compress-sass-") as folder:
         unit, cubin = Path(folder) / "unit.cu", Path(folder) / "unit.cubin"
         unit.write_text(variant.translation_unit())
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="build this checkout's csrc/ and include/ instead of the tree's")
     parser.add_argument("--list", action="store_true", help="only name the matching functions")
     args = parser.parse_args(argv)
-    if args.source is not None and not (args.source / "csrc" / "deepseek_v4").is_dir():
+    if args.source is not None and not is_checkout(args.source):
         parser.error(f"--source: expected a checkout with csrc/deepseek_v4/ and include/, got {args.source}")
     nvcc = find_nvcc()
     if nvcc is None:

@@ -21,8 +21,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The folders a kernel checkout holds (bench_variants.is_checkout).
+#: The folders a kernel checkout holds, in the order a build includes them.
 KERNEL_TREES = ("csrc", "include")
+
+
+def is_checkout(path: Path) -> bool:
+    """Whether ``path`` holds a whole kernel source tree (``csrc/deepseek_v4/`` and ``include/``), not kernel files."""
+    return (path / "csrc" / "deepseek_v4").is_dir() and (path / "include").is_dir()
+
+
+def checkout_include_dirs(checkout: Path) -> tuple[Path, ...]:
+    """The include paths that build ``checkout``'s sources in place of the tree's."""
+    return tuple(checkout / tree for tree in KERNEL_TREES)
 
 
 def _git_apply(args: list[str], patch: Path, folder: Path) -> subprocess.CompletedProcess:
