@@ -349,12 +349,14 @@ struct C128Online {
     // A compress pass that a write pass follows lets it launch at once, so
     // that its blocks fill the SMs this pass's tail leaves idle.
     const bool starts_write_pass = !kWritePass && params.overlap_passes;
-    const bool launched = slice_fits<kHeadDim, kWritePass>(chosen.slice_dim) &&
-                          with_slice_width(chosen.slice_dim, [&]<class Width>(Width) {
-                            if constexpr (slice_fits<kHeadDim, kWritePass>(Width::kDim)) {
-                              launch_grid<kWritePass, Width::kDim>(params, device, chosen, starts_write_pass);
-                            }
-                          });
+    const bool launched = with_slice_width(chosen.slice_dim, [&]<class Width>(Width) {
+      if constexpr (slice_fits<kHeadDim, kWritePass>(Width::kDim)) {
+        launch_grid<kWritePass, Width::kDim>(params, device, chosen, starts_write_pass);
+        return true;
+      } else {
+        return false;
+      }
+    });
     host::RuntimeCheck(launched, "prefill slice width ", chosen.slice_dim, " has no kernel");
     return chosen;
   }

@@ -63,12 +63,14 @@ auto per_slice_width(F&& f) {
   }(std::make_index_sequence<kNumSliceDims>{});
 }
 
-/// \brief Calls `f(SliceWidth<i>{})` for the i with kSliceDims[i] == `slice_dim`;
-/// false if it is none of them.
+/// \brief `f(SliceWidth<i>{})` for the i with kSliceDims[i] == `slice_dim`, where
+/// `f` returns whether it could use that width; false if `slice_dim` is none of them.
 template <class F>
 bool with_slice_width(uint32_t slice_dim, F&& f) {
   return [&]<size_t... kIndex>(std::index_sequence<kIndex...>) {
-    return ((slice_dim == kSliceDims[kIndex] && (f(SliceWidth<kIndex>{}), true)) || ...);
+    bool used = false;
+    ((slice_dim == kSliceDims[kIndex] && (used = f(SliceWidth<kIndex>{}), true)) || ...);
+    return used;
   }(std::make_index_sequence<kNumSliceDims>{});
 }
 
