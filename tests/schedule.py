@@ -183,9 +183,11 @@ def round_tokens(width: int) -> int:
 
 
 def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optional[tuple[int, int, int]] = None,
-                 padding_rows: int = 0, write_pass: bool = False) -> tuple[int, int, int]:
+                 padding_rows: int = 0, write_pass: bool = False,
+                 likely_rows: Optional[int] = None) -> tuple[int, int, int]:
     """``(width, grid, chain)`` that ``choose_slice_width`` (``csrc/deepseek_v4/c128_slice_width.cuh``)
-    picks for a pass of ``rows`` live rows and ``padding_rows`` CUDA-graph padding rows after them, on
+    picks for a pass of ``rows`` live rows (``likely_rows`` of them likely live, where a padded plan only
+    bounds them; all by default) and ``padding_rows`` CUDA-graph padding rows after them, on
     a GPU with this many multiprocessors and 16 resident prefill warps (8 blocks) on each;
     ``write_pass``: a write pass, which runs no slice wider than :data:`WIDEST_WRITE_SLICE`;
     ``beside``: what it picked for the compress pass a write pass starts beside. A mirror of its rule
@@ -194,27 +196,30 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
     (waves of items times rounds per 128-token segment), a narrower width only where it cuts the
     chain, 16 or 8 channels (runs of 64 bytes or less) only where they halve the shortest chain of
     the longer-run widths, 8 channels only where their items fill at most a quarter of the warps,
-    none but the widest where padding rows would take a warp over 4 rounds of 32 to skip; a write
+    none but the widest where padding rows would take a warp over 4 rounds of 32 to skip, a tie in chain
+    to the width with the shorter chain for ``likely_rows``; a write
     pass beside a compress pass where its grid fits in the slots left free and the two chains side
     by side take no longer than in turn."""
     resident = 8 * multiprocessors
     warps = 2 * resident
+    likely_rows = rows if likely_rows is None else likely_rows
     options = []
     widths = slice_widths(head_dim, write_pass)
     for width in widths:
-        split_items = rows * (head_dim // width)
-        items = split_items + padding_rows
+        items = rows * (head_dim // width) + padding_rows
         if width != widths[0] and (items // (warps * 32) > 4 or (width == 8 and 4 * items > warps)):
             continue
-        chain = -(-split_items // warps) * -(-CHUNK_SIZE // round_tokens(width))
-        options.append((width, min(-(-items // 2), resident), chain))
+        chain, likely_chain = (-(-count * (head_dim // width) // warps) * -(-CHUNK_SIZE // round_tokens(width))
+                               for count in (rows, likely_rows))
+        options.append((width, min(-(-items // 2), resident), chain, likely_chain))
 
     def shortest(candidates):
         best = None
-        for width, blocks, chain in candidates:
+        for width, blocks, chain, likely_chain in candidates:
             short = width * 4 <= 64
-            if best is None or ((2 * chain <= best[2]) if short and best[0] * 4 > 64 else chain < best[2]):
-                best = (width, blocks, chain)
+            if best is None or ((2 * chain <= best[2]) if short and best[0] * 4 > 64
+                                else (chain, likely_chain) < best[2:]):
+                best = (width, blocks, chain, likely_chain)
         return best
 
     chosen = shortest(options)
@@ -222,7 +227,19 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
         fitting = shortest([o for o in options if o[1] + beside[1] <= resident])
         if fitting is not None and max(fitting[2], beside[2]) <= beside[2] + chosen[2]:
             chosen = fitting
-    return chosen
+    return chosen[:3]
+
+
+def graph_plan_compress_pass(lengths: Sequence[int], head_dim: int, multiprocessors: int,
+                             likely: bool = True) -> tuple[int, int, int]:
+    """:func:`prefill_pass` for the compress pass of a CUDA-graph plan (a row per token) of requests
+    extending by ``lengths``, as ``C128Online::launch_pass`` sizes it: its live rows bounded by a row
+    per 128 tokens plus one per request, about a row per 128 tokens likely (``likely=False``: all of
+    the bound, the rule before ties went to the likely rows)."""
+    tokens = sum(lengths)
+    bound = min(tokens, tokens // CHUNK_SIZE + len(lengths))
+    likely_rows = min(bound, -(-tokens // CHUNK_SIZE)) if likely else bound
+    return prefill_pass(bound, head_dim, multiprocessors, padding_rows=tokens - bound, likely_rows=likely_rows)
 
 
 def rows_for_slice_width(head_dim: int, multiprocessors: int) -> dict[int, int]:

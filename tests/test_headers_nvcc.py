@@ -295,9 +295,9 @@ def test_python_and_cpp_agree_on_the_shared_facts(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# Prints choose_slice_width's (width, grid, chain) for each line of stdin, "head_dim rows padding
-# resident write_pass beside_rows" (write_pass 0: a compress pass; beside_rows 0: no compress pass
-# beside; else its rows, no padding).
+# Prints choose_slice_width's (width, grid, chain) for each line of stdin, "head_dim rows likely_rows
+# padding resident write_pass beside_rows" (write_pass 0: a compress pass; beside_rows 0: no compress
+# pass beside; else its rows, all likely, no padding).
 SLICE_WIDTH_PROGRAM = """
 #include <deepseek_v4/c128_slice_width.cuh>
 
@@ -307,33 +307,34 @@ SLICE_WIDTH_PROGRAM = """
 using flash_compress::c128::SliceOption;
 
 template <int64_t kHeadDim>
-SliceOption choose(bool write_pass, long long rows, long long padding, long long resident,
+SliceOption choose(bool write_pass, long long rows, long long likely, long long padding, long long resident,
                    const SliceOption* beside) {
   std::array<int64_t, flash_compress::c128::kNumSliceDims> every_width;
   every_width.fill(resident);
-  return write_pass ? flash_compress::c128::choose_slice_width<kHeadDim, true>(rows, padding, every_width, beside)
-                    : flash_compress::c128::choose_slice_width<kHeadDim, false>(rows, padding, every_width, beside);
+  return write_pass
+             ? flash_compress::c128::choose_slice_width<kHeadDim, true>(rows, likely, padding, every_width, beside)
+             : flash_compress::c128::choose_slice_width<kHeadDim, false>(rows, likely, padding, every_width, beside);
 }
 
-SliceOption choose(long long head_dim, bool write_pass, long long rows, long long padding, long long resident,
-                   const SliceOption* beside) {
+SliceOption choose(long long head_dim, bool write_pass, long long rows, long long likely, long long padding,
+                   long long resident, const SliceOption* beside) {
   switch (head_dim) {
-    case 192: return choose<192>(write_pass, rows, padding, resident, beside);
-    case 320: return choose<320>(write_pass, rows, padding, resident, beside);
-    case 128: return choose<128>(write_pass, rows, padding, resident, beside);
-    case 256: return choose<256>(write_pass, rows, padding, resident, beside);
-    case 512: return choose<512>(write_pass, rows, padding, resident, beside);
-    default: return choose<1024>(write_pass, rows, padding, resident, beside);
+    case 192: return choose<192>(write_pass, rows, likely, padding, resident, beside);
+    case 320: return choose<320>(write_pass, rows, likely, padding, resident, beside);
+    case 128: return choose<128>(write_pass, rows, likely, padding, resident, beside);
+    case 256: return choose<256>(write_pass, rows, likely, padding, resident, beside);
+    case 512: return choose<512>(write_pass, rows, likely, padding, resident, beside);
+    default: return choose<1024>(write_pass, rows, likely, padding, resident, beside);
   }
 }
 
 int main() {
-  long long head_dim, rows, padding, resident, write_pass, beside_rows;
-  while (std::scanf("%lld %lld %lld %lld %lld %lld", &head_dim, &rows, &padding, &resident, &write_pass,
-                    &beside_rows) == 6) {
-    const SliceOption compress = choose(head_dim, false, beside_rows, 0, resident, nullptr);
-    const SliceOption pass =
-        choose(head_dim, write_pass != 0, rows, padding, resident, beside_rows > 0 ? &compress : nullptr);
+  long long head_dim, rows, likely, padding, resident, write_pass, beside_rows;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld", &head_dim, &rows, &likely, &padding, &resident,
+                    &write_pass, &beside_rows) == 7) {
+    const SliceOption compress = choose(head_dim, false, beside_rows, beside_rows, 0, resident, nullptr);
+    const SliceOption pass = choose(head_dim, write_pass != 0, rows, likely, padding, resident,
+                                    beside_rows > 0 ? &compress : nullptr);
     std::printf("%u %lld %lld\\n", pass.slice_dim, static_cast<long long>(pass.blocks),
                 static_cast<long long>(pass.chain));
   }
@@ -348,22 +349,29 @@ def test_the_slice_width_rule_matches_the_tests_mirror(tmp_path):
     """The GPU tests pick row counts that reach each prefill slice width through
     `schedule.prefill_pass`, a Python mirror of `choose_slice_width`: here both run on the same
     passes (compress passes, write passes alone and beside a compress pass, with and without CUDA-graph
-    padding) and must agree."""
+    padding, with all rows likely live or few) and must agree."""
     from schedule import WIDEST_WRITE_SLICE, prefill_pass
 
     passes = [(False, 0), *((True, beside) for beside in (0, 1, 16, 64, 593))]
-    cases = [(head_dim, rows, padding, sms, write_pass, beside)
+    cases = [(head_dim, rows, likely, padding, sms, write_pass, beside)
              for head_dim in (128, 192, 256, 320, 512, 1024) for sms in (132, 78)
-             for rows in (*range(1, 300, 7), 333, 529, 593, 1024, 4096)
+             for rows in (*range(1, 300, 7), 333, 529, 593, 1024, 4096) for likely in {rows, -(-rows // 60)}
              for padding in (0, 1000, 400_000) for write_pass, beside in passes]
-    stdin = "".join(f"{h} {r} {p} {8 * s} {int(w)} {b}\n" for h, r, p, s, w, b in cases)
+    stdin = "".join(f"{h} {r} {k} {p} {8 * s} {int(w)} {b}\n" for h, r, k, p, s, w, b in cases)
     compiled = run_program(SLICE_WIDTH_PROGRAM, tmp_path, stdin)
-    mirrored = [prefill_pass(r, h, s, prefill_pass(b, h, s) if b else None, padding_rows=p, write_pass=w)
-                for h, r, p, s, w, b in cases]
+    mirrored = [prefill_pass(r, h, s, prefill_pass(b, h, s) if b else None, padding_rows=p, write_pass=w,
+                             likely_rows=k)
+                for h, r, k, p, s, w, b in cases]
     assert len(compiled) == len(cases)
     differ = [(case, c, m) for case, c, m in zip(cases, compiled, mirrored) if c != m]
     assert not differ, f"{len(differ)} of {len(cases)} differ, first: {differ[:3]}"
     assert {c[0] for c in compiled} == {128, 64, 32, 16, 8}
+    # Few likely live rows break some ties in chain toward a narrower width, never a wider one, and
+    # never change the chain.
+    by_case = {(h, r, k == r, p, s, w, b): c for (h, r, k, p, s, w, b), c in zip(cases, compiled)}
+    retied = [(key, all_live, few_live) for key, few_live in by_case.items() if not key[2]
+              for all_live in [by_case[key[:2] + (True,) + key[3:]]] if few_live != all_live]
+    assert retied and all(few[0] < every[0] and few[2] == every[2] for _, every, few in retied), retied[:3]
     # 128-channel slices only where they divide head_dim, and never in a write pass.
     assert all(c[0] != 128 for (head_dim, *_), c in zip(cases, compiled) if head_dim % 128)
     assert all(c[0] <= WIDEST_WRITE_SLICE for (*_, write_pass, _), c in zip(cases, compiled) if write_pass)

@@ -16,7 +16,8 @@ import torch
 from flash_compress import reference as ref
 from flash_compress.c128_online import HEAD_DIMS_TESTED
 from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
-from schedule import ScheduleHarness, plan_with, prefill_pass, rows_for_slice_width, run_schedule, slice_widths
+from schedule import (ScheduleHarness, graph_plan_compress_pass, plan_with, prefill_pass, rows_for_slice_width,
+                      run_schedule, slice_widths)
 
 pytestmark = pytest.mark.gpu
 
@@ -148,6 +149,33 @@ def test_128_channel_compress_slices_fold_prior_states(gpu, head_dim, state_dtyp
     h.prefill_step([(r, CHUNK_SIZE, None) for r in batch], use_cuda_graph=True)
     h.check_live_states()
     assert h.stats.prefill_calls == 3 and h.stats.rows_checked >= 2 * count
+
+
+@pytest.mark.parametrize("head_dim", [256, 512, 1024])
+def test_cuda_graph_plans_with_few_live_compress_rows(gpu, head_dim):
+    """4 requests of 300 tokens beside 1000 or more of one (the fewest for which what follows holds on
+    this GPU; 1000 on 132 SMs), twice, in CUDA-graph plans: 8 live compress rows, where the plan bounds
+    them at a row per 128 tokens and one per request (1021). At that bound the widths tie in chain,
+    and the tie goes to the width whose chain is shortest for a row per 128 tokens
+    (``graph_plan_compress_pass``): narrower than the bound alone would pick. The second step folds
+    stored states. Against the float64 oracle and the store-emulating reference, with poisoned outputs
+    and untouched slots checked bitwise."""
+    module = kernels(head_dim, True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def retied(lengths):
+        chosen, at_bound = (graph_plan_compress_pass(lengths, head_dim, sms, likely) for likely in (True, False))
+        return chosen[0] < at_bound[0] and chosen[2] == at_bound[2]
+
+    lengths = next(([300] * 4 + [1] * ones for ones in range(1000, 3000, 4) if retied([300] * 4 + [1] * ones)), None)
+    assert lengths is not None, f"no batch of 1000 to 3000 one-token requests retie at head_dim {head_dim}, {sms} SMs"
+    h = ScheduleHarness(module, head_dim=head_dim, device="cuda", seed=83 + head_dim, num_slots=len(lengths) + 3,
+                        max_requests=len(lengths))
+    batch = [h.start_request() for _ in lengths]
+    for _ in range(2):
+        h.prefill_step([(r, n, None) for r, n in zip(batch, lengths)], use_cuda_graph=True)
+    h.check_live_states()
+    assert h.stats.prefill_calls == 2 and h.stats.rows_checked >= 16
 
 
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])

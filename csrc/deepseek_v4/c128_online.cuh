@@ -342,10 +342,18 @@ struct C128Online {
     const int64_t max_live_rows = kWritePass ? int64_t{params.batch_size}
                                              : int64_t{params.num_tokens} / kC128ChunkSize + params.batch_size;
     params.num_split_rows = static_cast<uint32_t>(std::min<int64_t>(params.num_rows, max_live_rows));
+    // A CUDA-graph plan has a row per token. Its compress pass then likely
+    // has about a row per chunk of tokens, where its bound also counts a row
+    // per request; a write pass likely has a row per request.
+    const bool padded = params.num_rows == params.num_tokens;
+    const int64_t likely_rows =
+        padded && !kWritePass
+            ? std::min<int64_t>(params.num_split_rows, (int64_t{params.num_tokens} + kC128ChunkSize - 1) / kC128ChunkSize)
+            : int64_t{params.num_split_rows};
     const auto resident = per_slice_width(
         [&]<class Width>(Width) { return pass_resident_blocks<kWritePass, Width::kDim>(device); });
     const SliceOption chosen = choose_slice_width<kHeadDim, kWritePass>(
-        params.num_split_rows, int64_t{params.num_rows} - params.num_split_rows, resident, beside);
+        params.num_split_rows, likely_rows, int64_t{params.num_rows} - params.num_split_rows, resident, beside);
     // A compress pass that a write pass follows lets it launch at once, so
     // that its blocks fill the SMs this pass's tail leaves idle.
     const bool starts_write_pass = !kWritePass && params.overlap_passes;

@@ -87,6 +87,9 @@ struct SliceOption {
   /// Rounds of dependent token loads of its busiest warp, every segment a
   /// full chunk: waves of items times the rounds one item takes.
   int64_t chain;
+  /// The same with only the pass's likely live rows (those of a padded plan
+  /// are only bounded): what breaks a tie in chain.
+  int64_t likely_chain;
   /// Whether the pass may run it: its warps must skip the padding rows of
   /// a CUDA-graph plan quickly enough (the widest always may), and 8-channel
   /// slices need a pass so small that their items fill at most a quarter of
@@ -98,18 +101,22 @@ struct SliceOption {
 };
 
 /// \brief A pass of `split_rows` rows split into slices (every live row
-/// among them) and `other_rows` rows that are not (CUDA-graph padding) at
-/// `kSliceDim` channels, `resident` of whose blocks fit the GPU at once.
+/// among them, `likely_rows` of them likely live) and `other_rows` rows
+/// that are not (CUDA-graph padding) at `kSliceDim` channels, `resident` of
+/// whose blocks fit the GPU at once.
 template <int64_t kHeadDim, bool kWritePass, uint32_t kSliceDim>
-SliceOption slice_option(int64_t split_rows, int64_t other_rows, int64_t resident) {
+SliceOption slice_option(int64_t split_rows, int64_t likely_rows, int64_t other_rows, int64_t resident) {
   if constexpr (!slice_fits<kHeadDim, kWritePass>(kSliceDim)) {
-    return SliceOption{.slice_dim = kSliceDim, .blocks = 0, .resident = resident, .chain = 0, .eligible = false};
+    return SliceOption{
+        .slice_dim = kSliceDim, .blocks = 0, .resident = resident, .chain = 0, .likely_chain = 0, .eligible = false};
   } else {
     using Layout = PrefillLayout<kHeadDim, kSliceDim>;
     constexpr int64_t kRoundTokens = Layout::kTokenLanes * Layout::kBatch;
     constexpr int64_t kRoundsPerChunk = (kC128ChunkSize + kRoundTokens - 1) / kRoundTokens;
     const int64_t warps = resident * Layout::kWarps;
-    const int64_t split_items = split_rows * Layout::kSlices;
+    const auto chain_of = [&](int64_t rows) {
+      return (rows * Layout::kSlices + warps - 1) / warps * kRoundsPerChunk;
+    };
     const auto items = static_cast<int64_t>(pass_items(split_rows, other_rows, Layout::kSlices));
     // Every warp decodes 32 items per round, padding rows included.
     const int64_t scan_rounds = items / (warps * ::device::kWarpThreads);
@@ -119,7 +126,8 @@ SliceOption slice_option(int64_t split_rows, int64_t other_rows, int64_t residen
         // of mostly-idle blocks would only cost launch and scheduling time).
         .blocks = std::min((items + Layout::kWarps - 1) / Layout::kWarps, resident),
         .resident = resident,
-        .chain = (split_items + warps - 1) / warps * kRoundsPerChunk,
+        .chain = chain_of(split_rows),
+        .likely_chain = chain_of(likely_rows),
         .eligible = kSliceDim == widest_slice<kHeadDim, kWritePass>() ||
                     (scan_rounds <= kMaxNarrowScanRounds && (kSliceDim != kSliceDims.back() || 4 * items <= warps)),
     };
@@ -138,18 +146,24 @@ const SliceOption* shortest_chain(const std::array<SliceOption, kNumSliceDims>& 
   const SliceOption* best = nullptr;
   for (const SliceOption& option : options) {
     if (!option.eligible || !fits(option)) continue;
-    const bool short_runs = option.slice_dim * sizeof(float) <= 64;
-    const bool best_short_runs = best != nullptr && best->slice_dim * sizeof(float) <= 64;
-    if (best == nullptr || (short_runs && !best_short_runs ? 2 * option.chain <= best->chain
-                                                           : option.chain < best->chain)) {
+    if (best == nullptr) {
       best = &option;
+      continue;
     }
+    const bool short_runs = option.slice_dim * sizeof(float) <= 64;
+    const bool best_short_runs = best->slice_dim * sizeof(float) <= 64;
+    const bool shorter = short_runs && !best_short_runs
+                             ? 2 * option.chain <= best->chain
+                             : option.chain < best->chain ||
+                                   (option.chain == best->chain && option.likely_chain < best->likely_chain);
+    if (shorter) best = &option;
   }
   return best;
 }
 
 /// \brief The width a pass of `split_rows` + `other_rows` rows runs with,
-/// `resident[i]` blocks of width kSliceDims[i] fitting the GPU at once.
+/// `likely_rows` of the split ones likely live, `resident[i]` blocks of
+/// width kSliceDims[i] fitting the GPU at once.
 /// Wide slices read whole 256-byte runs per token, but give a pass of few
 /// rows few items, each a long chain of dependent loads; each halving of the
 /// width doubles the items and the token lanes per segment, and halves the
@@ -162,12 +176,17 @@ const SliceOption* shortest_chain(const std::array<SliceOption, kNumSliceDims>& 
 /// pass leaves free, if the two chains side by side take no longer than
 /// the two in turn (head_dim 128, 256 x 300 tokens: 28.6 -> 25.9 us with
 /// 64-channel slices beside the compress pass where 16-channel ones ran
-/// after it).
+/// after it). A padded plan's split rows are a bound on its live ones, and
+/// where the bound fills the GPU in whole waves every width has the same
+/// chain; such a tie goes to the width with the shortest chain for its
+/// likely rows (head_dim 1024, 4 x 300 + 1000 x 1 tokens in a CUDA-graph
+/// plan: 8 live compress rows of a bound of 1021).
 template <int64_t kHeadDim, bool kWritePass>
-SliceOption choose_slice_width(int64_t split_rows, int64_t other_rows,
+SliceOption choose_slice_width(int64_t split_rows, int64_t likely_rows, int64_t other_rows,
                                const std::array<int64_t, kNumSliceDims>& resident, const SliceOption* beside) {
   const auto options = per_slice_width([&]<class Width>(Width) {
-    return slice_option<kHeadDim, kWritePass, Width::kDim>(split_rows, other_rows, resident[Width::kPosition]);
+    return slice_option<kHeadDim, kWritePass, Width::kDim>(split_rows, likely_rows, other_rows,
+                                                           resident[Width::kPosition]);
   });
   const SliceOption* chosen = shortest_chain(options, [](const SliceOption&) { return true; });
   if (beside != nullptr && beside->blocks > 0) {
