@@ -346,10 +346,9 @@ struct C128Online {
     // has about a row per chunk of tokens, where its bound also counts a row
     // per request; a write pass likely has a row per request.
     const bool padded = params.num_rows == params.num_tokens;
-    const int64_t likely_rows =
-        padded && !kWritePass
-            ? std::min<int64_t>(params.num_split_rows, (int64_t{params.num_tokens} + kC128ChunkSize - 1) / kC128ChunkSize)
-            : int64_t{params.num_split_rows};
+    const int64_t chunks_of_tokens = (int64_t{params.num_tokens} + kC128ChunkSize - 1) / kC128ChunkSize;
+    const int64_t likely_rows = padded && !kWritePass ? std::min<int64_t>(params.num_split_rows, chunks_of_tokens)
+                                                      : int64_t{params.num_split_rows};
     const auto resident = per_slice_width(
         [&]<class Width>(Width) { return pass_resident_blocks<kWritePass, Width::kDim>(device); });
     const SliceOption chosen = choose_slice_width<kHeadDim, kWritePass>(
