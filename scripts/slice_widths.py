@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The slice widths and grids the prefill passes pick for bench.py's cases, on the CPU.
 
-    python scripts/slice_widths.py [--head-dim 128 256 512] [--sms 132] [--shapes] [--loads]
+    python scripts/slice_widths.py [--head-dim 128 256 512] [--sms 132] [--shapes] [--loads | --graph-plans]
 
 Plans each of ``bench.PREFILL_CASES`` (with ``--shapes``, ``bench_shapes.SHAPES``) as ``bench.py``
 does (same lengths, same seed, exact plans) and prints, per pass, the width it runs, its grid, its
@@ -14,6 +14,10 @@ rule assumes full chunks). The rule is ``choose_slice_width``
 ``tests/schedule.py: prefill_pass``, which ``tests/test_headers_nvcc.py`` checks against the
 compiled rule; 8 blocks fit an SM (every prefill kernel sits at its 128-register bound), and an H200
 has 132 SMs.
+
+``--graph-plans`` prints instead what each pass picks with CUDA-graph plans (a row per token, live rows
+only bounded; ``schedule.graph_plan_passes``), and for a compress pass whose width the tie-break on its
+likely rows moved, what it would pick without it.
 
 ``--loads`` adds, per pass, the rounds of loads of its busiest warp for this draw, its items (row,
 slice) dealt to the grid's warps in turn as the kernel deals them, beside the mean over its warps,
@@ -35,7 +39,7 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "scripts"), str(ROOT / "tests")
 import bench  # noqa: E402
 from flash_compress.c128_online import HEAD_DIMS_TESTED  # noqa: E402
 from flash_compress.host_planner import plan_segments  # noqa: E402
-from schedule import prefill_pass, round_tokens  # noqa: E402
+from schedule import graph_plan_passes, prefill_pass, round_tokens  # noqa: E402
 
 #: Prefill blocks (64 threads at 128 registers) that fit one SM at once, as prefill_pass counts them.
 BLOCKS_PER_SM = 8
@@ -43,15 +47,15 @@ BLOCKS_PER_SM = 8
 WARPS_PER_BLOCK = 2
 
 
-def case_segments(cases: list[tuple]) -> list[tuple[str, list[int], list[int]]]:
-    """(case, its compress segments' tokens, its write segments' tokens) of each of ``cases``
-    (``bench.PREFILL_CASES``'s form), planned with bench.run's seed and order."""
+def case_segments(cases: list[tuple]) -> list[tuple[str, list[int], list[int], list[int]]]:
+    """(case, its compress segments' tokens, its write segments' tokens, its requests' new tokens) of
+    each of ``cases`` (``bench.PREFILL_CASES``'s form), planned with bench.run's seed and order."""
     gen = torch.Generator().manual_seed(0)
     segments = []
     for name, batch, extend, random_prefix, singles in cases:
         prefixes, extends = bench.case_lengths(batch, extend, random_prefix, gen, singles)
         compress, write = plan_segments(extends, [p + e for p, e in zip(prefixes, extends)])
-        segments.append((name, compress[:, 3].tolist(), write[:, 3].tolist()))
+        segments.append((name, compress[:, 3].tolist(), write[:, 3].tolist(), list(extends)))
     return segments
 
 
@@ -95,10 +99,24 @@ def loads_line(label: str, segments: list[int], option: tuple[int, int, int], he
             f"shared in blocks of {SHARING_WARPS}: {shared}")
 
 
+def describe_graph_plans(head_dim: int, sms: int, cases: list[tuple]) -> list[str]:
+    """What each case's passes pick with CUDA-graph plans (``graph_plan_passes``), beside what the
+    compress pass would pick without the tie-break on its likely rows."""
+    lines = [f"head_dim {head_dim}, CUDA-graph plans: slice width, grid, chain (compress: without the "
+             "likely-rows tie-break)"]
+    for name, compress_segments, _, extends in case_segments(cases):
+        (compress, write), (at_bound, _) = (graph_plan_passes(extends, head_dim, sms, likely)
+                                            for likely in (True, False))
+        moved = "" if compress == at_bound else f" (without: {at_bound[0]}, {at_bound[1]} blocks)"
+        lines.append(f"  {name:<22} {len(compress_segments)} live compress rows; compress {compress[0]}: "
+                     f"{compress[1]} blocks, chain {compress[2]}{moved}  write {write[0]}: {write[1]} blocks")
+    return lines
+
+
 def describe(head_dim: int, sms: int, cases: list[tuple], loads: bool = False) -> list[str]:
     resident = BLOCKS_PER_SM * sms
     lines = [f"head_dim {head_dim}, {resident} resident blocks: rows x slice width, grid, chain"]
-    for name, compress_segments, write_segments in case_segments(cases):
+    for name, compress_segments, write_segments, _ in case_segments(cases):
         compress_rows, write_rows = len(compress_segments), len(write_segments)
         longest = max(write_segments, default=0)
         compress = prefill_pass(compress_rows, head_dim, sms) if compress_rows else None
@@ -126,13 +144,19 @@ def main() -> int:
     parser.add_argument("--shapes", action="store_true", help="bench_shapes.py's 16 shapes instead of bench.py's")
     parser.add_argument("--loads", action="store_true",
                         help="each pass's rounds of loads: its busiest warp, the mean, and shared in blocks of 8")
+    parser.add_argument("--graph-plans", action="store_true",
+                        help="the widths of CUDA-graph plans (a row per token) instead of exact ones")
     args = parser.parse_args()
+    if args.graph_plans and args.loads:
+        parser.error("--loads describes exact plans; drop it or --graph-plans")
     if args.shapes:
         from bench_shapes import SHAPES as cases
     else:
         cases = bench.PREFILL_CASES
     for head_dim in args.head_dim:
-        print("\n".join(describe(head_dim, args.sms, cases, args.loads)))
+        lines = (describe_graph_plans(head_dim, args.sms, cases) if args.graph_plans
+                 else describe(head_dim, args.sms, cases, args.loads))
+        print("\n".join(lines))
     return 0
 
 

@@ -230,16 +230,22 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
     return chosen[:3]
 
 
-def graph_plan_compress_pass(lengths: Sequence[int], head_dim: int, multiprocessors: int,
-                             likely: bool = True) -> tuple[int, int, int]:
-    """:func:`prefill_pass` for the compress pass of a CUDA-graph plan (a row per token) of requests
-    extending by ``lengths``, as ``C128Online::launch_pass`` sizes it: its live rows bounded by a row
-    per 128 tokens plus one per request, about a row per 128 tokens likely (``likely=False``: all of
-    the bound, the rule before ties went to the likely rows)."""
+def graph_plan_passes(lengths: Sequence[int], head_dim: int, multiprocessors: int,
+                      likely: bool = True) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """:func:`prefill_pass`'s (compress pass, write pass) for a CUDA-graph plan (a row per token each)
+    of requests extending by ``lengths``, as ``C128Online::launch_pass`` sizes them: live compress rows
+    bounded by a row per 128 tokens plus one per request, about a row per 128 tokens likely
+    (``likely=False``: all of the bound, the rule before ties went to the likely rows); live write
+    rows bounded by one per request, all of them likely; the write pass beside the compress pass."""
     tokens = sum(lengths)
-    bound = min(tokens, tokens // CHUNK_SIZE + len(lengths))
-    likely_rows = min(bound, -(-tokens // CHUNK_SIZE)) if likely else bound
-    return prefill_pass(bound, head_dim, multiprocessors, padding_rows=tokens - bound, likely_rows=likely_rows)
+    compress_bound = min(tokens, tokens // CHUNK_SIZE + len(lengths))
+    likely_rows = min(compress_bound, -(-tokens // CHUNK_SIZE)) if likely else compress_bound
+    compress = prefill_pass(compress_bound, head_dim, multiprocessors, padding_rows=tokens - compress_bound,
+                            likely_rows=likely_rows)
+    write_bound = min(tokens, len(lengths))
+    write = prefill_pass(write_bound, head_dim, multiprocessors, beside=compress,
+                         padding_rows=tokens - write_bound, write_pass=True)
+    return compress, write
 
 
 def rows_for_slice_width(head_dim: int, multiprocessors: int) -> dict[int, int]:

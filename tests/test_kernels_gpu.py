@@ -16,7 +16,7 @@ import torch
 from flash_compress import reference as ref
 from flash_compress.c128_online import HEAD_DIMS_TESTED
 from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
-from schedule import (ScheduleHarness, graph_plan_compress_pass, plan_with, prefill_pass, rows_for_slice_width,
+from schedule import (ScheduleHarness, graph_plan_passes, plan_with, prefill_pass, rows_for_slice_width,
                       run_schedule, slice_widths)
 
 pytestmark = pytest.mark.gpu
@@ -157,14 +157,14 @@ def test_cuda_graph_plans_with_few_live_compress_rows(gpu, head_dim):
     this GPU; 1000 on 132 SMs), twice, in CUDA-graph plans: 8 live compress rows, where the plan bounds
     them at a row per 128 tokens and one per request (1021). At that bound the widths tie in chain,
     and the tie goes to the width whose chain is shortest for a row per 128 tokens
-    (``graph_plan_compress_pass``): narrower than the bound alone would pick. The second step folds
+    (``graph_plan_passes``): narrower than the bound alone would pick. The second step folds
     stored states. Against the float64 oracle and the store-emulating reference, with poisoned outputs
     and untouched slots checked bitwise."""
     module = kernels(head_dim, True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def retied(lengths):
-        chosen, at_bound = (graph_plan_compress_pass(lengths, head_dim, sms, likely) for likely in (True, False))
+        chosen, at_bound = (graph_plan_passes(lengths, head_dim, sms, likely)[0] for likely in (True, False))
         return chosen[0] < at_bound[0] and chosen[2] == at_bound[2]
 
     lengths = next(([300] * 4 + [1] * ones for ones in range(1000, 3000, 4) if retied([300] * 4 + [1] * ones)), None)

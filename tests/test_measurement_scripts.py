@@ -131,6 +131,26 @@ def test_slice_widths_loads_deal_items_as_the_kernel_does(capsys, monkeypatch):
     assert loads[0].groups() == ("compress", "16", "16.00", "16")
 
 
+def test_slice_widths_graph_plans_name_the_ties_their_likely_rows_break(capsys, monkeypatch):
+    """--graph-plans: each case's passes with CUDA-graph plans; a compress pass whose tie the likely rows
+    broke names the width it had before, always wider (4 x 300 + 1000 x 1 at head_dim 1024: 128 -> 32)."""
+    script = load_script("slice_widths")
+    monkeypatch.setattr("sys.argv", ["slice_widths.py", "--head-dim", "1024", "--shapes", "--graph-plans"])
+    assert script.main() == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("head_dim 1024, CUDA-graph plans")
+    passes = [re.fullmatch(r"  (.+?) +(\d+) live compress rows; compress (\d+): (\d+) blocks, chain (\d+)"
+                           r"(?: \(without: (\d+), \d+ blocks\))?  write (\d+): (\d+) blocks", line)
+              for line in lines[1:]]
+    assert all(passes) and len(passes) == 16
+    moved = {m[1]: (int(m[6]), int(m[3])) for m in passes if m[6]}
+    assert moved["4x300 + 1000x1"] == (128, 32) and all(before > after for before, after in moved.values())
+    assert "2x16384 from 0" not in moved  # its bound is near its live rows: no tie to break
+    monkeypatch.setattr("sys.argv", ["slice_widths.py", "--graph-plans", "--loads"])
+    with pytest.raises(SystemExit):
+        script.main()
+
+
 def test_bench_variants_takes_kernel_files_or_a_whole_checkout(tmp_path):
     """A folder of kernel files replaces the tree's namesakes; a checkout (csrc/deepseek_v4/ and include/, an
     experiment patch applied to a worktree) is built whole, include/ too; anything else is refused by name."""
