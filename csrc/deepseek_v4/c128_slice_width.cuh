@@ -179,8 +179,9 @@ const SliceOption* shortest_chain(const std::array<SliceOption, kNumSliceDims>& 
 /// after it). A padded plan's split rows are a bound on its live ones, and
 /// where the bound fills the GPU in whole waves every width has the same
 /// chain; such a tie goes to the width with the shortest chain for its
-/// likely rows (head_dim 1024, 4 x 300 + 1000 x 1 tokens in a CUDA-graph
-/// plan: 8 live compress rows of a bound of 1021).
+/// likely rows (head_dim 1024, 4 x 300 + 1000 x 1 tokens from random
+/// prefixes in a CUDA-graph plan, 20 live compress rows of a bound of 1021:
+/// 43.8 -> 35.9 us on an H100 as 32-channel slices replaced 128-channel ones).
 template <int64_t kHeadDim, bool kWritePass>
 SliceOption choose_slice_width(int64_t split_rows, int64_t likely_rows, int64_t other_rows,
                                const std::array<int64_t, kNumSliceDims>& resident, const SliceOption* beside) {
