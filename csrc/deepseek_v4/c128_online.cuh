@@ -344,7 +344,9 @@ struct C128Online {
     params.num_split_rows = static_cast<uint32_t>(std::min<int64_t>(params.num_rows, max_live_rows));
     // A CUDA-graph plan has a row per token. Its compress pass then likely
     // has about a row per chunk of tokens, where its bound also counts a row
-    // per request; a write pass likely has a row per request.
+    // per request; a write pass likely has a row per request. (An exact plan
+    // with a row per token, every token closing a chunk, is taken for one:
+    // the likely rows only break ties in chain, so it keeps its chain.)
     const bool padded = params.num_rows == params.num_tokens;
     const int64_t chunks_of_tokens = (int64_t{params.num_tokens} + kC128ChunkSize - 1) / kC128ChunkSize;
     const int64_t likely_rows = padded && !kWritePass ? std::min<int64_t>(params.num_split_rows, chunks_of_tokens)
