@@ -230,21 +230,31 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
     return chosen[:3]
 
 
+def pass_rows(write_pass: bool, num_rows: int, num_tokens: int, batch_size: int) -> tuple[int, int]:
+    """``pass_rows`` of ``c128_slice_width.cuh``: the rows of a pass of a ``num_rows``-row plan (a call
+    of ``num_tokens`` tokens from ``batch_size`` requests) that may be live, at most a row per request
+    for a write pass and a row per 128 tokens plus one per request for a compress pass; and of those
+    the ones likely live, about a row per 128 tokens for a compress pass of a plan with a row per token
+    (a CUDA-graph plan), all of them otherwise."""
+    bound = batch_size if write_pass else num_tokens // CHUNK_SIZE + batch_size
+    split = min(num_rows, bound)
+    padded = num_rows == num_tokens
+    return split, (min(split, -(-num_tokens // CHUNK_SIZE)) if padded and not write_pass else split)
+
+
 def graph_plan_passes(lengths: Sequence[int], head_dim: int, multiprocessors: int,
                       likely: bool = True) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """:func:`prefill_pass`'s (compress pass, write pass) for a CUDA-graph plan (a row per token each)
-    of requests extending by ``lengths``, as ``C128Online::launch_pass`` sizes them: live compress rows
-    bounded by a row per 128 tokens plus one per request, about a row per 128 tokens likely
-    (``likely=False``: all of the bound, the rule before ties went to the likely rows); live write
-    rows bounded by one per request, all of them likely; the write pass beside the compress pass."""
+    of requests extending by ``lengths``, their rows as :func:`pass_rows` counts them (``likely=False``:
+    the compress pass's likely rows all of its bound, the rule before ties went to the likely rows); the
+    write pass beside the compress pass."""
     tokens = sum(lengths)
-    compress_bound = min(tokens, tokens // CHUNK_SIZE + len(lengths))
-    likely_rows = min(compress_bound, -(-tokens // CHUNK_SIZE)) if likely else compress_bound
-    compress = prefill_pass(compress_bound, head_dim, multiprocessors, padding_rows=tokens - compress_bound,
-                            likely_rows=likely_rows)
-    write_bound = min(tokens, len(lengths))
-    write = prefill_pass(write_bound, head_dim, multiprocessors, beside=compress,
-                         padding_rows=tokens - write_bound, write_pass=True)
+    compress_split, compress_likely = pass_rows(False, tokens, tokens, len(lengths))
+    compress = prefill_pass(compress_split, head_dim, multiprocessors, padding_rows=tokens - compress_split,
+                            likely_rows=compress_likely if likely else compress_split)
+    write_split, write_likely = pass_rows(True, tokens, tokens, len(lengths))
+    write = prefill_pass(write_split, head_dim, multiprocessors, beside=compress,
+                         padding_rows=tokens - write_split, write_pass=True, likely_rows=write_likely)
     return compress, write
 
 

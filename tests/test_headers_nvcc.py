@@ -377,6 +377,41 @@ def test_the_slice_width_rule_matches_the_tests_mirror(tmp_path):
     assert all(c[0] <= WIDEST_WRITE_SLICE for (*_, write_pass, _), c in zip(cases, compiled) if write_pass)
 
 
+# Prints pass_rows's (split, likely) for each line of stdin, "write_pass num_rows num_tokens batch_size".
+PASS_ROWS_PROGRAM = """
+#include <deepseek_v4/c128_slice_width.cuh>
+
+#include <cstdio>
+
+int main() {
+  long long write_pass, num_rows, num_tokens, batch_size;
+  while (std::scanf("%lld %lld %lld %lld", &write_pass, &num_rows, &num_tokens, &batch_size) == 4) {
+    const auto rows = write_pass != 0 ? flash_compress::c128::pass_rows<true>(num_rows, num_tokens, batch_size)
+                                      : flash_compress::c128::pass_rows<false>(num_rows, num_tokens, batch_size);
+    std::printf("%lld %lld\\n", static_cast<long long>(rows.split), static_cast<long long>(rows.likely));
+  }
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+@pytest.mark.nvcc
+def test_pass_rows_match_the_tests_mirror(tmp_path):
+    """The live-row bound and the likely rows a launch gives the width rule (`pass_rows`), against
+    `schedule.pass_rows`, which `graph_plan_passes` (and so the GPU test of padded plans) counts with:
+    exact plans (fewer rows than tokens) and plans of a row per token, both passes."""
+    from schedule import pass_rows
+
+    cases = [(write_pass, rows, tokens, batch) for write_pass in (0, 1)
+             for tokens, batch in ((1, 1), (129, 2), (2200, 1004), (24013, 16), (131072, 8), (512, 512))
+             for rows in {1, batch, tokens // 128 + 1, tokens}]
+    compiled = run_program(PASS_ROWS_PROGRAM, tmp_path, "".join(f"{w} {r} {t} {b}\n" for w, r, t, b in cases))
+    assert compiled == [pass_rows(bool(w), r, t, b) for w, r, t, b in cases]
+    # 4 x 300 + 1000 x 1 in a CUDA-graph plan: a bound of 1021 compress rows, 18 likely.
+    assert pass_rows(False, 2200, 2200, 1004) == (1021, 18) and pass_rows(True, 2200, 2200, 1004) == (1004, 1004)
+
+
 def test_the_arch_check_names_the_archs_to_drop():
     check_arch_list(("8.0", "9.0a", "10.0"))
     with pytest.raises(ValueError, match=r"arch_list: .*sm_80 or newer.*got 7\.5 9\.0; drop 7\.5"):

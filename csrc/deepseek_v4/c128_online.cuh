@@ -336,25 +336,12 @@ struct C128Online {
   template <bool kWritePass>
   static SliceOption launch_pass(PrefillArgs params, DLDevice device, const SliceOption* beside = nullptr) {
     if (params.num_rows == 0) return SliceOption{};
-    // A request has at most one write row, and a compress row per chunk its
-    // tokens close, so however far a CUDA-graph plan is padded a planned
-    // pass has no more live rows than this, and all of them come first.
-    const int64_t max_live_rows = kWritePass ? int64_t{params.batch_size}
-                                             : int64_t{params.num_tokens} / kC128ChunkSize + params.batch_size;
-    params.num_split_rows = static_cast<uint32_t>(std::min<int64_t>(params.num_rows, max_live_rows));
-    // A CUDA-graph plan has a row per token. Its compress pass then likely
-    // has about a row per chunk of tokens, where its bound also counts a row
-    // per request; a write pass likely has a row per request. (An exact plan
-    // with a row per token, every token closing a chunk, is taken for one:
-    // the likely rows only break ties in chain, so it keeps its chain.)
-    const bool padded = params.num_rows == params.num_tokens;
-    const int64_t chunks_of_tokens = (int64_t{params.num_tokens} + kC128ChunkSize - 1) / kC128ChunkSize;
-    const int64_t likely_rows = padded && !kWritePass ? std::min<int64_t>(params.num_split_rows, chunks_of_tokens)
-                                                      : int64_t{params.num_split_rows};
+    const PassRows rows = pass_rows<kWritePass>(params.num_rows, params.num_tokens, params.batch_size);
+    params.num_split_rows = static_cast<uint32_t>(rows.split);
     const auto resident = per_slice_width(
         [&]<class Width>(Width) { return pass_resident_blocks<kWritePass, Width::kDim>(device); });
     const SliceOption chosen = choose_slice_width<kHeadDim, kWritePass>(
-        params.num_split_rows, likely_rows, int64_t{params.num_rows} - params.num_split_rows, resident, beside);
+        rows.split, rows.likely, int64_t{params.num_rows} - rows.split, resident, beside);
     // A compress pass that a write pass follows lets it launch at once, so
     // that its blocks fill the SMs this pass's tail leaves idle.
     const bool starts_write_pass = !kWritePass && params.overlap_passes;

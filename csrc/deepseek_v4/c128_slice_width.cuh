@@ -74,6 +74,31 @@ bool with_slice_width(uint32_t slice_dim, F&& f) {
   }(std::make_index_sequence<kNumSliceDims>{});
 }
 
+/// \brief The rows of a pass that may be live (split into slices) and, of
+/// those, the ones likely live, for a plan of `num_rows` rows over a call of
+/// `num_tokens` tokens from `batch_size` requests.
+struct PassRows {
+  int64_t split;
+  int64_t likely;
+};
+
+/// \brief PassRows of a compress or a write pass. A request has at most one
+/// write row, and a compress row per chunk its tokens close, so however far
+/// a CUDA-graph plan is padded its pass has no more live rows than that, all
+/// of them first. Such a plan has a row per token; its compress pass then
+/// likely has about a row per chunk of tokens, where the bound also counts a
+/// row per request, and its write pass a row per request. An exact plan with
+/// a row per token (every token closing a chunk) is taken for one: the
+/// likely rows only break ties in chain, so it keeps its chain.
+template <bool kWritePass>
+constexpr PassRows pass_rows(int64_t num_rows, int64_t num_tokens, int64_t batch_size) {
+  const int64_t bound = kWritePass ? batch_size : num_tokens / kC128ChunkSize + batch_size;
+  const int64_t split = std::min(num_rows, bound);
+  const bool padded = num_rows == num_tokens;
+  const int64_t chunks_of_tokens = (num_tokens + kC128ChunkSize - 1) / kC128ChunkSize;
+  return PassRows{.split = split, .likely = padded && !kWritePass ? std::min(split, chunks_of_tokens) : split};
+}
+
 /// Rounds of plan decoding (32 items per warp each) a narrow pass may spend
 /// on a padded plan before its extra rounds cost more than they save.
 inline constexpr int64_t kMaxNarrowScanRounds = 4;
