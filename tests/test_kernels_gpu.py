@@ -167,7 +167,8 @@ def test_cuda_graph_plans_with_few_live_compress_rows(gpu, head_dim):
         chosen, at_bound = (graph_plan_passes(lengths, head_dim, sms, likely)[0] for likely in (True, False))
         return chosen[0] < at_bound[0] and chosen[2] == at_bound[2]
 
-    lengths = next(([300] * 4 + [1] * ones for ones in range(1000, 3000, 4) if retied([300] * 4 + [1] * ones)), None)
+    candidates = ([300] * 4 + [1] * ones for ones in range(1000, 3000, 4))
+    lengths = next((lengths for lengths in candidates if retied(lengths)), None)
     assert lengths is not None, f"no batch of 1000 to 3000 one-token requests retie at head_dim {head_dim}, {sms} SMs"
     h = ScheduleHarness(module, head_dim=head_dim, device="cuda", seed=83 + head_dim, num_slots=len(lengths) + 3,
                         max_requests=len(lengths))
