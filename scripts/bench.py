@@ -4,21 +4,20 @@
                             [--state-dtype float32 bfloat16]
                             [--reference ../shared/seed/c128_online.cuh.txt]
 
-Times are CUDA-event medians; decode at small batch is timed as CUDA-graph
-replays of many launches (launch gaps would dominate otherwise). Prefill
-rows time one call between events, which includes the host's call and launch
-latency (8.0 to 10.7 us per call in docs/PERFORMANCE.md's run); the "in graph"
-rows (prefill, and decode at large batch) replay a graph of 10 calls and give
-the kernels' own time. Those replays read the same tensors call after call, so
-a case smaller than the L2 partly runs from it; the "cold" rows replay a graph
-whose calls cycle through enough copies of the data to span twice the L2, so
-each call reads its data from HBM, as an engine's new tokens are (cases too
-small to fill that with 256 copies have no cold row). "% of copy" is the bytes that must cross HBM once
-(inputs read, outputs and states written, prior states read) over the time,
-divided by the rate of a large device-to-device copy measured in the same run
-(bytes read plus written); state bytes count at the state dtype's size, so a
-bfloat16 pool's rows show the bytes it really moves. Each state dtype is its
-own implementation row ("flash_compress" float32, "flash_compress bf16").
+Times are CUDA-event medians; decode at small batch is timed as CUDA-graph replays of many launches
+(launch gaps would dominate otherwise). Prefill rows time one call between events, which includes
+the host's call and launch latency (8.0 to 10.7 us per call in docs/PERFORMANCE.md's run); the "in
+graph" rows (prefill, and decode at large batch) replay a graph of 10 calls and give the kernels'
+own time ("graph-plan" rows run the plans a CUDA graph holds, a row per token, and "graph-plan in
+graph" replays them). Those replays read the same tensors call after call, so a case smaller than
+the L2 partly runs from it; the "cold" rows replay a graph whose calls cycle through enough copies
+of the data to span twice the L2, so each call reads its data from HBM, as an engine's new tokens
+are (cases too small to fill that with 256 copies have no cold row). "% of copy" is the bytes that
+must cross HBM once (inputs read, outputs and states written, prior states read) over the time,
+divided by the rate of a large device-to-device copy measured in the same run (bytes read plus
+written); state bytes count at the state dtype's size, so a bfloat16 pool's rows show the bytes it
+really moves. Each state dtype is its own implementation row ("flash_compress" float32,
+"flash_compress bf16").
 With ``--reference``, the reference design (``scripts/reference_design.py``)
 runs the same cases on the same data in the same run, planned by its own
 planner.
@@ -308,6 +307,9 @@ def run(args) -> list[Row]:
             # The kernels alone: a single call's events also hold its host and launch latency.
             add(f"prefill {name}", f"{impl} in graph", graph_median_ms(lambda: call(own_exact), launches=10, iters=20),
                 traffic, state_dtype)
+            # What an engine that captures prefill replays: plans padded to a row per token.
+            add(f"prefill {name}", f"{impl} graph-plan in graph",
+                graph_median_ms(lambda: call(own_padded), launches=10, iters=20), traffic, state_dtype)
             copies = cold_copies(traffic.bytes(state_dtype), l2)
             if copies:
                 calls = cold_calls(impl_module.run_prefill,

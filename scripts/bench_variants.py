@@ -2,7 +2,7 @@
 
     python scripts/bench_variants.py [--reference SEED] [--rounds 5] [--decode-only] [--state-dtype bfloat16]
                                      [--per-pass] [--prefill-only] [--shapes] [--check] [--decode-batches B ...]
-                                     NAME=PATH ...
+                                     [--both-dtypes] NAME=PATH ...
 
 Each NAME=PATH is a variant of the kernel sources, built as its own JIT variant
 with the tree's build spec (exports, template values). PATH is either a folder
@@ -15,12 +15,16 @@ an experiment of ``docs/experiments/`` applied, say), whose ``csrc/`` and
 cases on the same tensors, in rounds that visit every implementation in turn,
 so that drifts of clock and temperature hit all of them alike; the table shows
 the median and the minimum over rounds (us). Decode and verify steps (T=4) run
-in CUDA graphs up to B=4096 (verify always). Prefill cases are timed three
+in CUDA graphs up to B=4096 (verify always). Prefill cases are timed four
 ways: one call with exact plans between events, the same in a CUDA graph of 10
-calls (kernels alone), and with ``use_cuda_graph`` plans. This is how the
+calls (kernels alone), and both again with ``use_cuda_graph`` plans. This is how the
 sweeps of docs/PERFORMANCE.md were measured. ``--shapes`` runs bench_shapes.py's
 prefill shapes instead of bench.py's prefill cases, for a change whose rule picks
 other widths or grids on shapes bench.py does not have.
+
+``--both-dtypes`` adds the tree built for the other state dtype as one more column
+("tree bfloat16" beside a float32 tree), timed in the same rounds: the way to
+compare the two dtypes, which bench.py times one after the other.
 
 ``--check`` first runs every variant and the tree once on each case (prefill
 with exact and padded plans, twice in a row, plus a case that reads its prior
@@ -97,11 +101,12 @@ VERIFY_BATCHES = [64, 512, 1536, 8192]
 VERIFY_WINDOW = 4
 
 
-def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtype, per_pass: bool = False,
-          decode_batches: list[int] = bench.DECODE_BATCHES, prefill_only: bool = False) -> dict[str, dict[str, tuple]]:
-    """case -> impl -> (call, timed in a graph, launches per graph); states in ``state_dtype``
-    (the reference design's in float32). ``prefill_only`` leaves out decode and verify (their
-    inputs are not even made)."""
+def cases(impls: dict, head_dim: int, decode_only: bool, state_dtypes: dict[str, torch.dtype],
+          per_pass: bool = False, decode_batches: list[int] = bench.DECODE_BATCHES,
+          prefill_only: bool = False) -> dict[str, dict[str, tuple]]:
+    """case -> impl -> (call, timed in a graph, launches per graph); each impl's states in its
+    ``state_dtypes`` entry. ``prefill_only`` leaves out decode and verify (their inputs are not
+    even made)."""
     out: dict[str, dict[str, tuple]] = {}
     gen = torch.Generator().manual_seed(0)
     tree = next(iter(impls.values()))
@@ -110,7 +115,7 @@ def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtyp
         for impl, m in impls.items():
             exact = bench.plan(m, d["extends"], d["seq_lens"], False)
             padded = bench.plan(m, d["extends"], d["seq_lens"], True)
-            state = d["state"] if impl == "reference" else d["state"].to(state_dtype)
+            state = d["state"].to(state_dtypes[impl])
 
             def call(plans, m=m, d=d, state=state):
                 m.run_prefill(state, d["input"], d["out"], d["ape"], d["indices"], *plans, None)
@@ -118,6 +123,7 @@ def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtyp
             out.setdefault(f"prefill {name}", {})[impl] = (lambda c=call, p=exact: c(p), False, 0)
             out.setdefault(f"prefill {name} in graph", {})[impl] = (lambda c=call, p=exact: c(p), True, 10)
             out.setdefault(f"prefill {name} graph-plan", {})[impl] = (lambda c=call, p=padded: c(p), False, 0)
+            out.setdefault(f"prefill {name} graph-plan in graph", {})[impl] = (lambda c=call, p=padded: c(p), True, 10)
             if per_pass:  # each pass alone (the other given an empty plan), kernels only
                 compress_only, write_only = (exact[0], exact[1][:0]), (exact[0][:0], exact[1])
                 out.setdefault(f"prefill {name} compress pass", {})[impl] = (
@@ -128,7 +134,7 @@ def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtyp
     for batch in decode_batches:
         args, _ = bench.decode_case(head_dim, batch)
         for impl, m in impls.items():
-            a = args if impl == "reference" else (args[0].to(state_dtype), *args[1:])
+            a = (args[0].to(state_dtypes[impl]), *args[1:])
             out.setdefault(f"decode B={batch}", {})[impl] = (lambda m=m, a=a: m.run_decode(*a, None), batch <= 4096,
                                                              100)
     for batch in VERIFY_BATCHES:
@@ -136,7 +142,7 @@ def cases(impls: dict, head_dim: int, decode_only: bool, state_dtype: torch.dtyp
         for impl, m in impls.items():
             if impl == "reference":  # the reference design has no speculative decoding
                 continue
-            a = (args[0].to(state_dtype), *args[1:6], args[6].to(state_dtype))
+            a = (args[0].to(state_dtypes[impl]), *args[1:6], args[6].to(state_dtypes[impl]))
             out.setdefault(f"verify B={batch} T={VERIFY_WINDOW}", {})[impl] = (lambda m=m, a=a: m.run_verify(*a), True,
                                                                                20)
     return out
@@ -221,6 +227,8 @@ def main() -> int:
     parser.add_argument("--prefill-only", action="store_true")
     parser.add_argument("--shapes", action="store_true", help="bench_shapes.py's prefill shapes, not bench.py's cases")
     parser.add_argument("--check", action="store_true", help="first compare every variant with the tree, bitwise")
+    parser.add_argument("--both-dtypes", action="store_true",
+                        help="also time the tree with the other state dtype, in the same rounds (column 'tree DTYPE')")
     parser.add_argument("--decode-batches", type=int, nargs="+", default=bench.DECODE_BATCHES, metavar="B",
                         help=f"decode batch sizes to time (default {' '.join(map(str, bench.DECODE_BATCHES))})")
     args = parser.parse_args()
@@ -232,8 +240,14 @@ def main() -> int:
 
         bench.PREFILL_CASES = bench_shapes.SHAPES
     loaders = {"tree": lambda: flash_compress.load_module(args.head_dim, use_pdl=True, state_dtype=args.state_dtype)}
+    state_dtypes = {"tree": bench.STATE_DTYPES[args.state_dtype], "reference": torch.float32}
+    if args.both_dtypes:
+        other = next(name for name in bench.STATE_DTYPES if name != args.state_dtype)
+        loaders[f"tree {other}"] = lambda: flash_compress.load_module(args.head_dim, use_pdl=True, state_dtype=other)
+        state_dtypes[f"tree {other}"] = bench.STATE_DTYPES[other]
     with tempfile.TemporaryDirectory(prefix="flash-compress-variants-") as source_root:
         for name, files in args.variants:
+            state_dtypes[name] = state_dtypes["tree"]
             loaders[name] = lambda n=name, f=files: load_variant(n, f, args.head_dim, Path(source_root),
                                                                  args.state_dtype)
         if args.reference:
@@ -243,10 +257,11 @@ def main() -> int:
         with ThreadPoolExecutor() as pool:  # the builds are nvcc processes: run them side by side
             futures = {name: pool.submit(load) for name, load in loaders.items()}
             impls = {name: future.result() for name, future in futures.items()}
-    if args.check and check_variants(impls, args.head_dim, bench.STATE_DTYPES[args.state_dtype]):
+    same_dtype = {name: m for name, m in impls.items() if state_dtypes[name] == state_dtypes["tree"]}
+    if args.check and check_variants(same_dtype, args.head_dim, state_dtypes["tree"]):
         print("check: variants differ from the tree (above); nothing timed", file=sys.stderr)
         return 1
-    timed = cases(impls, args.head_dim, args.decode_only, bench.STATE_DTYPES[args.state_dtype], args.per_pass,
+    timed = cases(impls, args.head_dim, args.decode_only, state_dtypes, args.per_pass,
                   args.decode_batches, args.prefill_only)
     timings: dict[str, dict[str, list[float]]] = {}
     for done in range(1, args.rounds + 1):
