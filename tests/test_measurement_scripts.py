@@ -273,3 +273,30 @@ def test_make_variant_applies_only_kernel_hunks_inside_a_repository(tmp_path):
         make_variant(folder, [stale], root=root)
     with pytest.raises(ValueError, match="folder: expected a new folder"):
         make_variant(root, [both], root=root)
+
+
+def test_bench_variants_check_close_accepts_reordered_sums_only():
+    """--check-close (a variant that reorders a chunk's sums): values within a few float32 roundings of
+    the tree's pass, NaN must sit exactly where the tree's does, and anything further is DIFFERENT;
+    without a tolerance only bitwise equality passes."""
+    import torch
+
+    compare = load_script("bench_variants").compare_results
+    gen = torch.Generator().manual_seed(0)
+    state = torch.randn(6, 3 * 64, generator=gen)
+    state[0, :64] = float("-inf")  # a max no token set
+    out = torch.randn(9, 64, generator=gen)
+    out[4] = float("nan")  # a row the call leaves poisoned
+    tree = [state, out]
+    assert compare(tree, [state.clone(), out.clone()]) == (True, "identical")
+
+    rounded = [state * (1 + 3e-7), out + 2e-7]  # a reordered sum's few roundings
+    assert compare(tree, rounded) == (False, "DIFFERENT")
+    same, word = compare(tree, rounded, 1e-5)
+    assert same and word.startswith("close (max err ")
+
+    for bad in ([state, out.nan_to_num(0.0)],                       # a poisoned row written
+                [state, torch.where(out.isnan(), out, out * 1.01)],  # 1% off
+                [state.flip(0), out]):                               # states in other slots
+        same, word = compare(tree, bad, 1e-5)
+        assert not same and word.startswith("DIFFERENT"), word
