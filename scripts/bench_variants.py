@@ -1,8 +1,8 @@
 """Time edited copies of the kernel header against the tree (and the reference design) in one process.
 
     python scripts/bench_variants.py [--reference SEED] [--rounds 5] [--decode-only] [--state-dtype bfloat16]
-                                     [--per-pass] [--prefill-only] [--shapes] [--check | --check-close] [--decode-batches B ...]
-                                     [--both-dtypes] NAME=PATH ...
+                                     [--per-pass] [--prefill-only] [--shapes] [--check | --check-close]
+                                     [--decode-batches B ...] [--both-dtypes] NAME=PATH ...
 
 Each NAME=PATH is a variant of the kernel sources, built as its own JIT variant
 with the tree's build spec (exports, template values). PATH is either a folder
@@ -17,8 +17,8 @@ so that drifts of clock and temperature hit all of them alike; the table shows
 the median and the minimum over rounds (us). Decode and verify steps (T=4) run
 in CUDA graphs up to B=4096 (verify always). Prefill cases are timed four
 ways: one call with exact plans between events, the same in a CUDA graph of 10
-calls (kernels alone), and both again with ``use_cuda_graph`` plans. This is how the
-sweeps of docs/PERFORMANCE.md were measured. ``--shapes`` runs bench_shapes.py's
+calls (kernels alone), and both again with ``use_cuda_graph`` plans. This is
+how the sweeps of docs/PERFORMANCE.md were measured. ``--shapes`` runs bench_shapes.py's
 prefill shapes instead of bench.py's prefill cases, for a change whose rule picks
 other widths or grids on shapes bench.py does not have.
 
@@ -32,9 +32,9 @@ states from other slots through ``load_indices``; decode; verify then commit) fr
 into NaN-poisoned outputs, and compares states and outputs bit for bit: a
 variant meant to change speed only must match the tree exactly. It exits 1 on
 any difference. ``--check-close`` accepts, instead, values within a rounding
-or so of the tree's (``CLOSE_RTOL``, float32 states), NaN where the tree's are: for a variant
-that changes which warps sum which tokens (a slice-width rule), which reorders
-a chunk's sums.
+or so of the tree's (``CLOSE_RTOL``, float32 states) and NaN where the tree's
+are: for a variant that changes which warps sum which tokens (a slice-width
+rule), which reorders a chunk's sums.
 """
 
 from __future__ import annotations
