@@ -1,8 +1,8 @@
 """The CPU side of the GPU measurement scripts: prefill_scaling.py's line fit, and warp_stamps.py's
 stamp layout, its reading of the stamps, and its kernel edits, which must keep applying to (and
 compiling with) the kernel file as it changes; slice_widths.py, kernel_sass.py, and make_variant.py,
-which builds the kernel checkouts they and bench_variants.py read. The timing scripts themselves
-need a GPU."""
+which builds the kernel checkouts they and bench_variants.py read; bench_variants.py's comparison of
+results, and bench_shapes.py's call into it. The timing itself needs a GPU."""
 
 from __future__ import annotations
 
@@ -300,3 +300,31 @@ def test_bench_variants_check_close_accepts_reordered_sums_only():
                 [state.flip(0), out]):                               # states in other slots
         same, word = compare(tree, bad, 1e-5)
         assert not same and word.startswith("DIFFERENT"), word
+
+
+def test_bench_shapes_hands_bench_variants_a_state_dtype_per_implementation(monkeypatch):
+    """bench_shapes.py times bench_variants.cases()'s exact-plan prefill rows in graph: its call must keep
+    up with that function's arguments (a dtype per implementation since --both-dtypes). The GPU parts are
+    stubbed: the modules, and the cases, which are checked and returned empty."""
+    import sys
+    import types
+
+    import torch
+
+    script = load_script("bench_shapes")
+    seen = {}
+
+    def cases(impls, head_dim, decode_only, state_dtypes, *args, **kwargs):
+        seen.update(impls=impls, state_dtypes=state_dtypes, kwargs=kwargs)
+        return {}
+
+    monkeypatch.setattr(script.bench_variants, "cases", cases)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(script.flash_compress, "load_module", lambda *a, **k: "ours module")
+    monkeypatch.setitem(sys.modules, "reference_design",
+                        types.SimpleNamespace(load_reference=lambda *a, **k: "reference module"))
+    monkeypatch.setattr("sys.argv", ["bench_shapes.py", "--reference", "SEED", "--state-dtype", "bfloat16"])
+    assert script.main() == 0
+    assert seen["state_dtypes"] == {"ours": torch.bfloat16, "reference": torch.float32}
+    assert set(seen["impls"]) == set(seen["state_dtypes"])
+    assert seen["kwargs"].get("prefill_only") is True
