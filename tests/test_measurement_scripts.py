@@ -328,3 +328,35 @@ def test_bench_shapes_hands_bench_variants_a_state_dtype_per_implementation(monk
     assert seen["state_dtypes"] == {"ours": torch.bfloat16, "reference": torch.float32}
     assert set(seen["impls"]) == set(seen["state_dtypes"])
     assert seen["kwargs"].get("prefill_only") is True
+
+
+def test_bench_variants_both_dtypes_adds_the_tree_in_the_other_dtype(monkeypatch, tmp_path):
+    """--both-dtypes: one more implementation, the tree built for the other state dtype, whose states the
+    cases make in that dtype; variants keep the tree's. The builds and the cases are stubbed (GPU parts)."""
+    import torch
+
+    script = load_script("bench_variants")
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "c128_prefill.cuh").write_text("// edited\n")
+    built, seen = [], {}
+
+    def cases(impls, head_dim, decode_only, state_dtypes, *args):
+        seen.update(impls=impls, state_dtypes=state_dtypes)
+        return {}
+
+    monkeypatch.setattr(script, "cases", cases)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(script.flash_compress, "load_module",
+                        lambda head_dim, use_pdl, state_dtype: built.append(state_dtype) or f"tree {state_dtype}")
+    monkeypatch.setattr(script, "load_variant", lambda name, *args: f"variant {name} {args[-1]}")
+    for tree, other in (("float32", "bfloat16"), ("bfloat16", "float32")):
+        built.clear()
+        monkeypatch.setattr("sys.argv", ["bench_variants.py", f"edited={files}", "--both-dtypes", "--rounds", "1",
+                                         "--state-dtype", tree])
+        assert script.main() == 0
+        assert sorted(built) == sorted([tree, other])
+        assert seen["impls"] == {"tree": f"tree {tree}", f"tree {other}": f"tree {other}",
+                                 "edited": f"variant edited {tree}"}
+        assert seen["state_dtypes"] == {"tree": getattr(torch, tree), f"tree {other}": getattr(torch, other),
+                                        "edited": getattr(torch, tree), "reference": torch.float32}
