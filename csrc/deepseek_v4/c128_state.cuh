@@ -125,10 +125,15 @@ SGL_DEVICE SoftmaxState finish_state(const SoftmaxPartial& part, const SoftmaxSt
 /// \brief 4 channels of a stored state `[max | sum | kv]` as they sit in the
 /// slot (float32 or bfloat16). A kernel that holds a loaded state while other
 /// loads are in flight keeps it in this form: bfloat16 takes half the
-/// registers until `widen` is called where the values are used.
+/// registers until `widen` is called where the values are used. The fields
+/// are the 32-bit words the loads return: held as bfloat16 values, each word
+/// was first split into two 16-bit registers (a PRMT per value), where as a
+/// word a bfloat16 widens with one shift or mask (bf16 decode at head_dim 512:
+/// 8 PRMT -> 2, B=4096 4% faster; docs/PERF_LOG.md).
 template <typename StateT>
 struct StoredState {
-  using Field = device::AlignedVector<StateT, kVecWidth>;
+  static_assert(kSupportedState<StateT>, "a state is float32 or bfloat16");
+  using Field = device::AlignedVector<uint32_t, kVecWidth * sizeof(StateT) / sizeof(uint32_t)>;
   Field max, sum, kv;
 
   /// \brief `slot` points at the 4 channels' `max`; the fields are `field_stride` elements apart.
@@ -143,10 +148,19 @@ struct StoredState {
   SGL_DEVICE SoftmaxState widen() const { return SoftmaxState{widen(max), widen(sum), widen(kv)}; }
 
  private:
+  /// A bfloat16 is the high half of the float it widens to, NaN payloads
+  /// included; of a word's two channels the even one is the low half.
   SGL_DEVICE static Vec widen(const Field& field) {
     Vec v;
 #pragma unroll
-    for (uint32_t c = 0; c < kVecWidth; ++c) v[c] = device::cast<float>(field[c]);
+    for (uint32_t c = 0; c < kVecWidth; ++c) {
+      if constexpr (std::is_same_v<StateT, float>) {
+        v[c] = __uint_as_float(field[c]);
+      } else {
+        const uint32_t word = field[c / 2];
+        v[c] = __uint_as_float(c % 2 == 0 ? word << 16 : word & 0xffff0000u);
+      }
+    }
     return v;
   }
 };
