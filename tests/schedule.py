@@ -197,7 +197,8 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
     chain, 16 or 8 channels (runs of 64 bytes or less) only where they halve the shortest chain of
     the longer-run widths, 8 channels only where their items fill at most a quarter of the warps,
     none but the widest where padding rows would take a warp over 4 rounds of 32 to skip, a tie in chain
-    to the width with the shorter chain for ``likely_rows``; a write
+    to the width with the shorter chain for ``likely_rows`` (halved, for 16 or 8 channels against a
+    longer-run width, and then only where the likely rows' items fill at most half the warps); a write
     pass beside a compress pass where its grid fits in the slots left free and the two chains side
     by side take no longer than in turn."""
     resident = 8 * multiprocessors
@@ -211,15 +212,17 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
             continue
         chain, likely_chain = (-(-count * (head_dim // width) // warps) * -(-CHUNK_SIZE // round_tokens(width))
                                for count in (rows, likely_rows))
-        options.append((width, min(-(-items // 2), resident), chain, likely_chain))
+        few_likely_items = 2 * likely_rows * (head_dim // width) <= warps
+        options.append((width, min(-(-items // 2), resident), chain, likely_chain, few_likely_items))
 
     def shortest(candidates):
         best = None
-        for width, blocks, chain, likely_chain in candidates:
+        for width, blocks, chain, likely_chain, few_likely_items in candidates:
             short = width * 4 <= 64
-            if best is None or ((2 * chain <= best[2]) if short and best[0] * 4 > 64
-                                else (chain, likely_chain) < best[2:]):
-                best = (width, blocks, chain, likely_chain)
+            if best is None or ((2 * chain <= best[2] or (chain == best[2] and few_likely_items
+                                                          and 2 * likely_chain <= best[3]))
+                                if short and best[0] * 4 > 64 else (chain, likely_chain) < best[2:4]):
+                best = (width, blocks, chain, likely_chain, few_likely_items)
         return best
 
     chosen = shortest(options)

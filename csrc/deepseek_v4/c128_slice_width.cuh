@@ -115,6 +115,9 @@ struct SliceOption {
   /// The same with only the pass's likely live rows (those of a padded plan
   /// are only bounded): what breaks a tie in chain.
   int64_t likely_chain;
+  /// Whether the likely rows' items fill at most half the warps: a pass
+  /// that small waits on load latency rather than bandwidth.
+  bool few_likely_items;
   /// Whether the pass may run it: its warps must skip the padding rows of
   /// a CUDA-graph plan quickly enough (the widest always may), and 8-channel
   /// slices need a pass so small that their items fill at most a quarter of
@@ -133,7 +136,13 @@ template <int64_t kHeadDim, bool kWritePass, uint32_t kSliceDim>
 SliceOption slice_option(int64_t split_rows, int64_t likely_rows, int64_t other_rows, int64_t resident) {
   if constexpr (!slice_fits<kHeadDim, kWritePass>(kSliceDim)) {
     return SliceOption{
-        .slice_dim = kSliceDim, .blocks = 0, .resident = resident, .chain = 0, .likely_chain = 0, .eligible = false};
+        .slice_dim = kSliceDim,
+        .blocks = 0,
+        .resident = resident,
+        .chain = 0,
+        .likely_chain = 0,
+        .few_likely_items = false,
+        .eligible = false};
   } else {
     using Layout = PrefillLayout<kHeadDim, kSliceDim>;
     constexpr int64_t kRoundTokens = Layout::kTokenLanes * Layout::kBatch;
@@ -153,6 +162,7 @@ SliceOption slice_option(int64_t split_rows, int64_t likely_rows, int64_t other_
         .resident = resident,
         .chain = chain_of(split_rows),
         .likely_chain = chain_of(likely_rows),
+        .few_likely_items = 2 * likely_rows * Layout::kSlices <= warps,
         .eligible = kSliceDim == widest_slice<kHeadDim, kWritePass>() ||
                     (scan_rounds <= kMaxNarrowScanRounds && (kSliceDim != kSliceDims.back() || 4 * items <= warps)),
     };
@@ -165,6 +175,13 @@ SliceOption slice_option(int64_t split_rows, int64_t likely_rows, int64_t other_
 /// the longer-run widths, because where a pass streams at the bandwidth
 /// limit such runs move fewer bytes per DRAM burst (head_dim 512, 8 x
 /// 16384 tokens: 127 us with 64-channel slices, 131 with 32, 173 with 16).
+/// A tie in chain goes to the shorter likely chain, which 64-byte runs must
+/// halve in the same way, and only for a pass whose likely items fill at
+/// most half the warps. A padded plan's bound ties where its likely rows do
+/// not: head_dim 512, 1 x 2048 + 63 x 1 tokens, 80 rows bound, 17 likely, ran
+/// 9.60 -> 8.40 us at 16 channels instead of 32 on an H100; head_dim 1024,
+/// 1 x 4096 + 31 x 1, whose 16-channel items would fill every warp, 13.50 ->
+/// 15.41 (docs/PERF_LOG.md).
 /// Null if none fits.
 template <class Fits>
 const SliceOption* shortest_chain(const std::array<SliceOption, kNumSliceDims>& options, Fits fits) {
@@ -178,7 +195,9 @@ const SliceOption* shortest_chain(const std::array<SliceOption, kNumSliceDims>& 
     const bool short_runs = option.slice_dim * sizeof(float) <= 64;
     const bool best_short_runs = best->slice_dim * sizeof(float) <= 64;
     const bool shorter = short_runs && !best_short_runs
-                             ? 2 * option.chain <= best->chain
+                             ? 2 * option.chain <= best->chain ||
+                                   (option.chain == best->chain && option.few_likely_items &&
+                                    2 * option.likely_chain <= best->likely_chain)
                              : option.chain < best->chain ||
                                    (option.chain == best->chain && option.likely_chain < best->likely_chain);
     if (shorter) best = &option;
