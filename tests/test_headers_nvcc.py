@@ -377,6 +377,22 @@ def test_the_slice_width_rule_matches_the_tests_mirror(tmp_path):
     assert all(c[0] <= WIDEST_WRITE_SLICE for (*_, write_pass, _), c in zip(cases, compiled) if write_pass)
 
 
+@needs_nvcc
+@pytest.mark.nvcc
+def test_a_padded_tie_goes_to_short_runs_only_where_the_likely_items_are_few(tmp_path):
+    """A padded plan's compress pass is bounded at more rows than it likely has, and at the bound 32 and
+    16 channels tie in chain. 16 channels (64-byte runs) halve the likely rows' chain, and win where
+    those rows' items fill at most half the warps: head_dim 512, 1 x 2048 + 63 x 1 tokens (80 rows
+    bound, 17 likely: 544 items for 2112 warps), 9.60 -> 8.40 us on an H100. Where they would fill
+    every warp the pass streams and keeps 32 channels: head_dim 1024, 1 x 4096 + 31 x 1 (64 bound, 33
+    likely: 2112 items), 13.50 -> 15.41 us at 16 (docs/PERF_LOG.md, "Ties in chain through the
+    short-run rule"). With every row likely live, both keep 32."""
+    cases = ["512 80 17 2031", "512 80 80 2031", "1024 64 33 4063", "1024 64 64 4063"]
+    compiled = run_program(SLICE_WIDTH_PROGRAM, tmp_path, "".join(f"{case} {8 * 132} 0 0\n" for case in cases))
+    assert [width for width, _, _ in compiled] == [16, 32, 32, 32]
+    assert compiled[0][2] == compiled[1][2]  # a tie in chain at the bound, broken by the likely rows
+
+
 # Prints pass_rows's (split, likely) for each line of stdin, "write_pass num_rows num_tokens batch_size".
 PASS_ROWS_PROGRAM = """
 #include <deepseek_v4/c128_slice_width.cuh>
