@@ -180,8 +180,8 @@ SliceOption slice_option(int64_t split_rows, int64_t likely_rows, int64_t other_
 /// most half the warps. A padded plan's bound ties where its likely rows do
 /// not: head_dim 512, 1 x 2048 + 63 x 1 tokens, 80 rows bound, 17 likely, ran
 /// 9.60 -> 8.40 us at 16 channels instead of 32 on an H100; head_dim 1024,
-/// 1 x 4096 + 31 x 1, whose 16-channel items would fill every warp, 13.50 ->
-/// 15.41 (docs/PERF_LOG.md).
+/// 1 x 4096 + 31 x 1, whose 16-channel items would fill every warp, went
+/// 13.50 -> 15.41 at 16 channels (docs/PERF_LOG.md).
 /// Null if none fits.
 template <class Fits>
 const SliceOption* shortest_chain(const std::array<SliceOption, kNumSliceDims>& options, Fits fits) {
