@@ -207,12 +207,13 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
     options = []
     widths = slice_widths(head_dim, write_pass)
     for width in widths:
-        items = rows * (head_dim // width) + padding_rows
+        slices = head_dim // width
+        items = rows * slices + padding_rows
         if width != widths[0] and (items // (warps * 32) > 4 or (width == 8 and 4 * items > warps)):
             continue
-        chain, likely_chain = (-(-count * (head_dim // width) // warps) * -(-CHUNK_SIZE // round_tokens(width))
+        chain, likely_chain = (-(-count * slices // warps) * -(-CHUNK_SIZE // round_tokens(width))
                                for count in (rows, likely_rows))
-        few_likely_items = 2 * likely_rows * (head_dim // width) <= warps
+        few_likely_items = 2 * likely_rows * slices <= warps
         options.append((width, min(-(-items // 2), resident), chain, likely_chain, few_likely_items))
 
     def shortest(candidates):
