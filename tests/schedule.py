@@ -214,7 +214,10 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
         chain, likely_chain = (-(-count * slices // warps) * -(-CHUNK_SIZE // round_tokens(width))
                                for count in (rows, likely_rows))
         few_likely_items = 2 * likely_rows * slices <= warps
-        options.append((width, min(-(-items // 2), resident), chain, likely_chain, few_likely_items))
+        blocks = min(-(-items // 2), resident)
+        if 2 * blocks > resident:  # padding rows get lanes, not warps, where no write pass would fit beside
+            blocks = min(-(-max(rows * slices, -(-items // 32)) // 2), resident)
+        options.append((width, blocks, chain, likely_chain, few_likely_items))
 
     def shortest(candidates):
         best = None

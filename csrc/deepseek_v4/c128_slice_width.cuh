@@ -128,6 +128,23 @@ struct SliceOption {
   bool eligible;
 };
 
+/// \brief The grid of a pass of `items` items, the first `split_items` of
+/// them split rows, at `warps_per_block`: one warp per item up to a full GPU;
+/// beyond that warps loop (a grid of mostly-idle blocks would only cost
+/// launch and scheduling time). Where that grid takes over half the GPU, so
+/// that no write pass fits beside it, padding rows get lanes instead of
+/// warps: a warp's 32 lanes decode 32 of them a round, so one warp per split
+/// item, or per 32 items if more, covers them in a round. Smaller grids keep
+/// a warp per item: shrinking them frees no room a write pass lacks (head_dim
+/// 128, 1 x 128 + 1 x 1 tokens in a CUDA-graph plan, 87 + 80 blocks: 3.74 ->
+/// 3.99 us on an H100 when both shrank; docs/PERF_LOG.md).
+inline int64_t pass_blocks(int64_t split_items, int64_t items, int64_t warps_per_block, int64_t resident) {
+  const int64_t per_item = std::min((items + warps_per_block - 1) / warps_per_block, resident);
+  if (2 * per_item <= resident) return per_item;
+  const int64_t scanning_warps = std::max(split_items, (items + ::device::kWarpThreads - 1) / ::device::kWarpThreads);
+  return std::min((scanning_warps + warps_per_block - 1) / warps_per_block, resident);
+}
+
 /// \brief A pass of `split_rows` rows split into slices (every live row
 /// among them, `likely_rows` of them likely live) and `other_rows` rows
 /// that are not (CUDA-graph padding) at `kSliceDim` channels, `resident` of
@@ -156,9 +173,7 @@ SliceOption slice_option(int64_t split_rows, int64_t likely_rows, int64_t other_
     const int64_t scan_rounds = items / (warps * ::device::kWarpThreads);
     return SliceOption{
         .slice_dim = kSliceDim,
-        // One warp per item up to a full GPU; beyond that warps loop (a grid
-        // of mostly-idle blocks would only cost launch and scheduling time).
-        .blocks = std::min((items + Layout::kWarps - 1) / Layout::kWarps, resident),
+        .blocks = pass_blocks(split_rows * Layout::kSlices, items, Layout::kWarps, resident),
         .resident = resident,
         .chain = chain_of(split_rows),
         .likely_chain = chain_of(likely_rows),
