@@ -167,6 +167,8 @@ def bf16_state_flips(got: torch.Tensor, want: torch.Tensor, what: str) -> int:
 SLICE_WIDTHS = (128, 64, 32, 16, 8)
 #: The widest slice a write pass runs (``kWidestWriteSlice``).
 WIDEST_WRITE_SLICE = 64
+#: The most (split) rows a compress pass splits into 8-channel slices (``kMaxEightChannelCompressRows``).
+MAX_EIGHT_CHANNEL_COMPRESS_ROWS = 8
 
 
 def slice_widths(head_dim: int, write_pass: bool = False) -> tuple[int, ...]:
@@ -195,7 +197,8 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
     the compiled rule): the width whose busiest warp has the shortest chain of dependent loads
     (waves of items times rounds per 128-token segment), a narrower width only where it cuts the
     chain, 16 or 8 channels (runs of 64 bytes or less) only where they halve the shortest chain of
-    the longer-run widths, 8 channels only where their items fill at most a quarter of the warps,
+    the longer-run widths, 8 channels only where their items fill at most a quarter of the warps (and
+    for a compress pass only up to :data:`MAX_EIGHT_CHANNEL_COMPRESS_ROWS` rows),
     none but the widest where padding rows would take a warp over 4 rounds of 32 to skip, a tie in chain
     to the width with the shorter chain for ``likely_rows`` (halved, for 16 or 8 channels against a
     longer-run width, and then only where the likely rows' items fill at most half the warps); a write
@@ -209,7 +212,8 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
     for width in widths:
         slices = head_dim // width
         items = rows * slices + padding_rows
-        if width != widths[0] and (items // (warps * 32) > 4 or (width == 8 and 4 * items > warps)):
+        if width != widths[0] and (items // (warps * 32) > 4 or (width == 8 and (
+                4 * items > warps or (not write_pass and rows > MAX_EIGHT_CHANNEL_COMPRESS_ROWS)))):
             continue
         chain, likely_chain = (-(-count * slices // warps) * -(-CHUNK_SIZE // round_tokens(width))
                                for count in (rows, likely_rows))

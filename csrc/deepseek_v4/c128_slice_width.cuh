@@ -103,6 +103,17 @@ constexpr PassRows pass_rows(int64_t num_rows, int64_t num_tokens, int64_t batch
 /// on a padded plan before its extra rounds cost more than they save.
 inline constexpr int64_t kMaxNarrowScanRounds = 4;
 
+/// The most rows a compress pass may split into 8-channel slices (its split
+/// rows: a padded plan's bound, since its likely rows only break ties). Their
+/// chain is half that of 16-channel slices, yet past a few rows they measured
+/// slower: on an H200, head_dim 128 1 x 128 + 1 x 1 tokens (one compress row)
+/// took 3.48 us at 8 channels against 4.11 at 16, head_dim 256 8 x 130 (8
+/// rows) 5.75 against 6.01, but head_dim 128 1 x 2048 + 63 x 1 (16 rows) 5.64
+/// against 5.20, and head_dim 256's 6.35 against 5.90. Write passes, whose
+/// segments are partial chunks, kept the gain past that (head_dim 128, 16 x
+/// 2048 tokens, 16 write rows: 10.87 against 11.72). docs/PERF_LOG.md.
+inline constexpr int64_t kMaxEightChannelCompressRows = 8;
+
 /// \brief How a pass would run at one slice width, as the host can judge
 /// it from counts alone (the segments' lengths are on the device).
 struct SliceOption {
@@ -121,7 +132,8 @@ struct SliceOption {
   /// Whether the pass may run it: its warps must skip the padding rows of
   /// a CUDA-graph plan quickly enough (the widest always may), and 8-channel
   /// slices need a pass so small that their items fill at most a quarter of
-  /// the warps. Where they fill more, the pass moves enough bytes that
+  /// the warps (and a compress pass of at most kMaxEightChannelCompressRows
+  /// split rows). Where they fill more, the pass moves enough bytes that
   /// 32-byte runs cost more than the rounds they save, and its grid leaves
   /// no room for a write pass beside it (head_dim 256, 1 x 8192 + 255 x 1
   /// tokens: 10.1 -> 13.3 us).
@@ -179,7 +191,9 @@ SliceOption slice_option(int64_t split_rows, int64_t likely_rows, int64_t other_
         .likely_chain = chain_of(likely_rows),
         .few_likely_items = 2 * likely_rows * Layout::kSlices <= warps,
         .eligible = kSliceDim == widest_slice<kHeadDim, kWritePass>() ||
-                    (scan_rounds <= kMaxNarrowScanRounds && (kSliceDim != kSliceDims.back() || 4 * items <= warps)),
+                    (scan_rounds <= kMaxNarrowScanRounds &&
+                     (kSliceDim != kSliceDims.back() ||
+                      (4 * items <= warps && (kWritePass || split_rows <= kMaxEightChannelCompressRows)))),
     };
   }
 }
