@@ -338,12 +338,13 @@ def run(args) -> list[Row]:
         for impl, impl_module, state_dtype in impls:
             impl_args = (decode_args[0].to(state_dtype), *decode_args[1:])
 
-            def call(m=impl_module, impl_args=impl_args):
+            def decode_call(m=impl_module, impl_args=impl_args):
                 m.run_decode(*impl_args, None)
 
-            add(case, impl, graph_median_ms(call) if in_graph else median_ms(call), traffic, state_dtype)
+            add(case, impl, graph_median_ms(decode_call) if in_graph else median_ms(decode_call), traffic, state_dtype)
             if not in_graph:  # the kernel alone, as the prefill rows' "in graph"
-                add(case, f"{impl} in graph", graph_median_ms(call, launches=10, iters=20), traffic, state_dtype)
+                add(case, f"{impl} in graph", graph_median_ms(decode_call, launches=10, iters=20), traffic,
+                    state_dtype)
             copies = cold_copies(traffic.bytes(state_dtype), l2) if in_graph else 0
             if copies:
                 calls = cold_calls(impl_module.run_decode, (*impl_args, None), copies)

@@ -61,7 +61,7 @@ def main() -> int:
             src = torch.empty(nbytes // 8, dtype=torch.float32, device="cuda").uniform_()
             dst = torch.empty_like(src)
             us = bench.graph_median_ms(call, launches=10, iters=20) * 1e3
-            copy = bench.graph_median_ms(lambda: dst.copy_(src), launches=10, iters=20) * 1e3
+            copy = bench.graph_median_ms(lambda dst=dst, src=src: dst.copy_(src), launches=10, iters=20) * 1e3
             pct = 100 * nbytes / (us * 1e-6) / 1e9 / ceiling
             print(f"{tokens:8} {nbytes / 1e6:8.1f} {us:9.2f} {pct:6.1f}% {copy:9.2f} {us / copy:11.2f}", flush=True)
             megabytes.append(nbytes / 1e6)
