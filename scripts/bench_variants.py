@@ -129,10 +129,12 @@ def cases(impls: dict, head_dim: int, decode_only: bool, state_dtypes: dict[str,
             out.setdefault(f"prefill {name} graph-plan", {})[impl] = (lambda c=call, p=padded: c(p), False, 0)
             out.setdefault(f"prefill {name} graph-plan in graph", {})[impl] = (lambda c=call, p=padded: c(p), True, 10)
             if per_pass:  # each pass alone (the other given an empty plan), kernels only
-                compress_only, write_only = (exact[0], exact[1][:0]), (exact[0][:0], exact[1])
-                out.setdefault(f"prefill {name} compress pass", {})[impl] = (
-                    lambda c=call, p=compress_only: c(p), True, 10)
-                out.setdefault(f"prefill {name} write pass", {})[impl] = (lambda c=call, p=write_only: c(p), True, 10)
+                for plans, kind in ((exact, ""), (padded, " graph-plan")):
+                    compress_only, write_only = (plans[0], plans[1][:0]), (plans[0][:0], plans[1])
+                    out.setdefault(f"prefill {name}{kind} compress pass", {})[impl] = (
+                        lambda c=call, p=compress_only: c(p), True, 10)
+                    out.setdefault(f"prefill {name}{kind} write pass", {})[impl] = (
+                        lambda c=call, p=write_only: c(p), True, 10)
     if prefill_only:
         return out
     for batch in decode_batches:
@@ -260,7 +262,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--state-dtype", choices=list(bench.STATE_DTYPES), default="float32")
-    parser.add_argument("--per-pass", action="store_true", help="also time each prefill pass alone, in graph")
+    parser.add_argument("--per-pass", action="store_true",
+                        help="also time each prefill pass alone, in graph, of exact and of padded plans")
     parser.add_argument("--prefill-only", action="store_true")
     parser.add_argument("--shapes", action="store_true", help="bench_shapes.py's prefill shapes, not bench.py's cases")
     parser.add_argument("--check", action="store_true", help="first compare every variant with the tree, bitwise")
