@@ -111,7 +111,9 @@ inline constexpr int64_t kMaxNarrowScanRounds = 4;
 /// rows) 5.75 against 6.01, but head_dim 128 1 x 2048 + 63 x 1 (16 rows) 5.64
 /// against 5.20, and head_dim 256's 6.35 against 5.90. Write passes, whose
 /// segments are partial chunks, kept the gain past that (head_dim 128, 16 x
-/// 2048 tokens, 16 write rows: 10.87 against 11.72). docs/PERF_LOG.md.
+/// 2048 tokens, 16 write rows: 10.87 against 11.72). Landed on an H100: the
+/// moved passes 0.2-0.55 us faster, but 2 x 1000 + 100 x 1 (17 rows) 0.1
+/// slower at head_dim 128 and 256. docs/PERF_LOG.md.
 inline constexpr int64_t kMaxEightChannelCompressRows = 8;
 
 /// \brief How a pass would run at one slice width, as the host can judge
