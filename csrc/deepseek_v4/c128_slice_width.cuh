@@ -185,6 +185,8 @@ SliceOption slice_option(int64_t split_rows, int64_t likely_rows, int64_t other_
     const auto items = static_cast<int64_t>(pass_items(split_rows, other_rows, Layout::kSlices));
     // Every warp decodes 32 items per round, padding rows included.
     const int64_t scan_rounds = items / (warps * ::device::kWarpThreads);
+    const bool eight_channels_fit =
+        4 * items <= warps && (kWritePass || split_rows <= kMaxEightChannelCompressRows);
     return SliceOption{
         .slice_dim = kSliceDim,
         .blocks = pass_blocks(split_rows * Layout::kSlices, items, Layout::kWarps, resident),
@@ -193,9 +195,7 @@ SliceOption slice_option(int64_t split_rows, int64_t likely_rows, int64_t other_
         .likely_chain = chain_of(likely_rows),
         .few_likely_items = 2 * likely_rows * Layout::kSlices <= warps,
         .eligible = kSliceDim == widest_slice<kHeadDim, kWritePass>() ||
-                    (scan_rounds <= kMaxNarrowScanRounds &&
-                     (kSliceDim != kSliceDims.back() ||
-                      (4 * items <= warps && (kWritePass || split_rows <= kMaxEightChannelCompressRows)))),
+                    (scan_rounds <= kMaxNarrowScanRounds && (kSliceDim != kSliceDims.back() || eight_channels_fit)),
     };
   }
 }
