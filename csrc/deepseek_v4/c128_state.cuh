@@ -24,6 +24,22 @@ inline constexpr bool kSupportedHeadDim = kHeadDim >= 64 && kHeadDim <= 1024 && 
 template <typename StateT>
 inline constexpr bool kSupportedState = std::is_same_v<StateT, float> || std::is_same_v<StateT, device::bf16_t>;
 
+/// \brief e^x as 2^(x log2 e) on the special-function unit, subnormal
+/// results flushed to 0 (e^-inf = 0, as the empty partial needs): two
+/// instructions where expf takes eight. A prefill pass of few rows leaves
+/// each warp nearly alone on its scheduler, so its pace is the instructions
+/// it issues (ncu, head_dim 512, 1 x 2048 + 63 x 1 tokens: 3.0 cycles per
+/// issued instruction, about 2100 instructions a warp), and the token loop's
+/// exponentials were the largest share. Used there and in the merges of
+/// token lanes; results moved by at most 3.6e-7 relative to expf's
+/// (docs/PERF_LOG.md). Single token updates (decode, verify) and the
+/// bfloat16 store keep expf.
+SGL_DEVICE float exp_approx(float x) {
+  float result;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(result) : "f"(x * 1.44269504088896340736f));
+  return result;
+}
+
 /// \brief Softmax over a set of tokens, per channel, not yet normalised:
 /// `max`, `sum = sum_j exp(s_j - max)` and `acc = sum_j exp(s_j - max) * kv_j`.
 /// The empty set is (-inf, 0, 0), which every merge treats as a no-op.
@@ -54,12 +70,12 @@ SGL_DEVICE void absorb_tokens(SoftmaxPartial& part, const Vec (&kv)[kBatch], con
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) batch_max = k < count ? fmaxf(batch_max, score[k][c]) : batch_max;
     // batch_max is finite (count >= 1), so an empty part scales by exp(-inf) = 0.
-    const float rescale = expf(part.max[c] - batch_max);
+    const float rescale = exp_approx(part.max[c] - batch_max);
     float sum = part.sum[c] * rescale;
     float acc = part.acc[c] * rescale;
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
-      const float weight = expf(score[k][c] - batch_max);
+      const float weight = exp_approx(score[k][c] - batch_max);
       sum = k < count ? sum + weight : sum;
       acc = k < count ? fmaf(weight, kv[k][c], acc) : acc;
     }
@@ -78,8 +94,8 @@ SGL_DEVICE void merge_partial(SoftmaxPartial& into, const SoftmaxPartial& other)
     // Two empty sides would give exp(-inf - -inf) = NaN; any finite
     // reference keeps their weights at exp(-inf) = 0.
     const float ref = max == -INFINITY ? 0.0f : max;
-    const float scale_into = expf(into.max[c] - ref);
-    const float scale_other = expf(other.max[c] - ref);
+    const float scale_into = exp_approx(into.max[c] - ref);
+    const float scale_other = exp_approx(other.max[c] - ref);
     into.max[c] = max;
     into.sum[c] = into.sum[c] * scale_into + other.sum[c] * scale_other;
     into.acc[c] = into.acc[c] * scale_into + other.acc[c] * scale_other;
