@@ -98,6 +98,13 @@ struct PrefillLayout {
   static constexpr uint32_t kRingBytes = kStages * kBatch * 2 * sizeof(Vec) * kThreads;
   /// Keeps registers at or under 128, so that 16 warps fit per SM.
   static constexpr uint32_t kMinBlocksPerSM = 16 / kWarps;
+  /// Whether the token loop takes its exponentials from exp_approx, which
+  /// speeds up the passes that issue more than they stream (few rows: head_dim
+  /// 512 1 x 2048 + 63 x 1 tokens 6.94 -> 6.28 us on an H100). 128-channel
+  /// slices, which the rule gives to streaming compress passes of many rows,
+  /// keep expf: head_dim 1024 8 x 16384 tokens ran 354.6 -> 358.6 us with it
+  /// (docs/PERF_LOG.md).
+  static constexpr bool kApproxExp = kSliceDim < 128;
 };
 
 /// \brief One (segment, channel slice) a warp has to compute, decoded and
@@ -253,7 +260,7 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
 #pragma unroll
       for (uint32_t c = 0; c < kVecWidth; ++c) score[k][c] += bias[k][c];
     }
-    absorb_tokens<kBatch>(part, kv, score, count);
+    absorb_tokens<kBatch, Layout::kApproxExp>(part, kv, score, count);
   };
   // Two sets of bias registers that take turns, rounds two at a time: a
   // round's bias rows are loaded one round ahead into the set the round

@@ -30,10 +30,10 @@ inline constexpr bool kSupportedState = std::is_same_v<StateT, float> || std::is
 /// each warp nearly alone on its scheduler, so its pace is the instructions
 /// it issues (ncu, head_dim 512, 1 x 2048 + 63 x 1 tokens: 3.0 cycles per
 /// issued instruction, about 2100 instructions a warp), and the token loop's
-/// exponentials were the largest share. Used there and in the merges of
-/// token lanes; results moved by at most 3.6e-7 relative to expf's
-/// (docs/PERF_LOG.md). Single token updates (decode, verify) and the
-/// bfloat16 store keep expf.
+/// exponentials were the largest share. Used there (absorb_tokens, where the
+/// pass's layout asks for it) and in the merges of token lanes; results
+/// moved by at most 3.6e-7 relative to expf's (docs/PERF_LOG.md). Single
+/// token updates (decode, verify) and the bfloat16 store keep expf.
 SGL_DEVICE float exp_approx(float x) {
   float result;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(result) : "f"(x * 1.44269504088896340736f));
@@ -61,7 +61,7 @@ struct SoftmaxPartial {
 /// skipped by branches: a branch per token and channel kept the compiler from
 /// overlapping their exponentials, and a warp alone on a long segment waits
 /// for each in turn.
-template <uint32_t kBatch>
+template <uint32_t kBatch, bool kApproxExp>
 SGL_DEVICE void absorb_tokens(SoftmaxPartial& part, const Vec (&kv)[kBatch], const Vec (&score)[kBatch],
                               uint32_t count) {
 #pragma unroll
@@ -70,12 +70,12 @@ SGL_DEVICE void absorb_tokens(SoftmaxPartial& part, const Vec (&kv)[kBatch], con
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) batch_max = k < count ? fmaxf(batch_max, score[k][c]) : batch_max;
     // batch_max is finite (count >= 1), so an empty part scales by exp(-inf) = 0.
-    const float rescale = exp_approx(part.max[c] - batch_max);
+    const float rescale = kApproxExp ? exp_approx(part.max[c] - batch_max) : expf(part.max[c] - batch_max);
     float sum = part.sum[c] * rescale;
     float acc = part.acc[c] * rescale;
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
-      const float weight = exp_approx(score[k][c] - batch_max);
+      const float weight = kApproxExp ? exp_approx(score[k][c] - batch_max) : expf(score[k][c] - batch_max);
       sum = k < count ? sum + weight : sum;
       acc = k < count ? fmaf(weight, kv[k][c], acc) : acc;
     }
