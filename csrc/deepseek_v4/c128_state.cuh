@@ -35,9 +35,20 @@ inline constexpr bool kSupportedState = std::is_same_v<StateT, float> || std::is
 /// moved by at most 3.6e-7 relative to expf's (docs/PERF_LOG.md). Single
 /// token updates (decode, verify) and the bfloat16 store keep expf.
 SGL_DEVICE float exp_approx(float x) {
+  constexpr float kLog2E = 1.44269504088896340736f;
   float result;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(result) : "f"(x * 1.44269504088896340736f));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(result) : "f"(x * kLog2E));
   return result;
+}
+
+/// \brief e^x from exp_approx or from expf, as a loop's caller chooses.
+template <bool kApprox>
+SGL_DEVICE float exp_of(float x) {
+  if constexpr (kApprox) {
+    return exp_approx(x);
+  } else {
+    return expf(x);
+  }
 }
 
 /// \brief Softmax over a set of tokens, per channel, not yet normalised:
@@ -70,12 +81,12 @@ SGL_DEVICE void absorb_tokens(SoftmaxPartial& part, const Vec (&kv)[kBatch], con
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) batch_max = k < count ? fmaxf(batch_max, score[k][c]) : batch_max;
     // batch_max is finite (count >= 1), so an empty part scales by exp(-inf) = 0.
-    const float rescale = kApproxExp ? exp_approx(part.max[c] - batch_max) : expf(part.max[c] - batch_max);
+    const float rescale = exp_of<kApproxExp>(part.max[c] - batch_max);
     float sum = part.sum[c] * rescale;
     float acc = part.acc[c] * rescale;
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
-      const float weight = kApproxExp ? exp_approx(score[k][c] - batch_max) : expf(score[k][c] - batch_max);
+      const float weight = exp_of<kApproxExp>(score[k][c] - batch_max);
       sum = k < count ? sum + weight : sum;
       acc = k < count ? fmaf(weight, kv[k][c], acc) : acc;
     }
