@@ -124,9 +124,9 @@ struct C128Online {
     // (it is latency-bound); a large one packs requests into bigger blocks.
     const int32_t device_id = device.unwrap().device_id;
     const int64_t sms = runtime::multiprocessor_count(device_id);
-    const int64_t per_block = std::clamp<int64_t>((batch_size + sms - 1) / sms, Layout::kMinRequestsPerBlock,
+    const int64_t per_block = std::clamp<int64_t>(div_ceil(batch_size, sms), Layout::kMinRequestsPerBlock,
                                                   Layout::kMaxRequestsPerBlock);
-    const auto blocks = (batch_size + per_block - 1) / per_block;
+    const auto blocks = div_ceil(batch_size, per_block);
     const size_t early_launch_smem = smem_for_early_launch<kDecodeKernel>(
         device_id, blocks, runtime::resident_blocks<kDecodeKernel>(device_id, Layout::kMaxThreads));
     const DecodeParams<StateT> params{
@@ -190,7 +190,7 @@ struct C128Online {
     using Layout = VerifyLayout<kHeadDim>;
     constexpr auto kKernel = c128_verify_kernel<kHeadDim, kUsePDL, StateT>;
     const int32_t device_id = device.unwrap().device_id;
-    const auto blocks = (B.unwrap() + Layout::kRequestsPerBlock - 1) / Layout::kRequestsPerBlock;
+    const auto blocks = div_ceil(B.unwrap(), Layout::kRequestsPerBlock);
     const size_t early_launch_smem = smem_for_early_launch<kKernel>(
         device_id, blocks, runtime::resident_blocks<kKernel>(device_id, Layout::kThreads));
     const VerifyParams<StateT> params{
@@ -238,7 +238,7 @@ struct C128Online {
     };
     using Layout = CommitLayout<kHeadDim, StateT>;
     const int64_t threads = B.unwrap() * Layout::kThreadsPerRow;
-    const auto blocks = (threads + Layout::kThreads - 1) / Layout::kThreads;
+    const auto blocks = div_ceil(threads, Layout::kThreads);
     LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device.unwrap())
         .enable_pdl(kUsePDL)(c128_commit_kernel<kHeadDim, kUsePDL, StateT>, params);
   }
@@ -382,7 +382,7 @@ struct C128Online {
   static size_t smem_for_early_launch(int32_t device_id, int64_t blocks, int64_t resident) {
     if (!kUsePDL || trigger_next_early(blocks, resident)) return 0;
     const int64_t sms = host::runtime::multiprocessor_count(device_id);
-    const int64_t share = (blocks + sms - 1) / sms;
+    const int64_t share = host::div_ceil(blocks, sms);
     if (share >= resident / sms) return 0;
     host::runtime::allow_dynamic_smem<kKernel>(device_id, host::runtime::max_dynamic_smem(device_id),
                                                /*prefer_shared=*/false);

@@ -5,6 +5,8 @@
 // measurements behind it are in docs/PERF_LOG.md.
 #pragma once
 
+#include <sgl_kernel/utils.h>
+
 #include <algorithm>
 #include <array>
 #include <cstddef>
@@ -153,10 +155,11 @@ struct SliceOption {
 /// 128, 1 x 128 + 1 x 1 tokens in a CUDA-graph plan, 87 + 80 blocks: 3.74 ->
 /// 3.99 us on an H100 when both shrank; docs/PERF_LOG.md).
 inline int64_t pass_blocks(int64_t split_items, int64_t items, int64_t warps_per_block, int64_t resident) {
-  const int64_t per_item = std::min((items + warps_per_block - 1) / warps_per_block, resident);
+  using host::div_ceil;
+  const int64_t per_item = std::min(div_ceil(items, warps_per_block), resident);
   if (2 * per_item <= resident) return per_item;
-  const int64_t scanning_warps = std::max(split_items, (items + ::device::kWarpThreads - 1) / ::device::kWarpThreads);
-  return std::min((scanning_warps + warps_per_block - 1) / warps_per_block, resident);
+  const int64_t scanning_warps = std::max<int64_t>(split_items, div_ceil(items, ::device::kWarpThreads));
+  return std::min(div_ceil(scanning_warps, warps_per_block), resident);
 }
 
 /// \brief A pass of `split_rows` rows split into slices (every live row
@@ -177,10 +180,10 @@ SliceOption slice_option(int64_t split_rows, int64_t likely_rows, int64_t other_
   } else {
     using Layout = PrefillLayout<kHeadDim, kSliceDim>;
     constexpr int64_t kRoundTokens = Layout::kTokenLanes * Layout::kBatch;
-    constexpr int64_t kRoundsPerChunk = (kC128ChunkSize + kRoundTokens - 1) / kRoundTokens;
+    constexpr int64_t kRoundsPerChunk = host::div_ceil(kC128ChunkSize, kRoundTokens);
     const int64_t warps = resident * Layout::kWarps;
     const auto chain_of = [&](int64_t rows) {
-      return (rows * Layout::kSlices + warps - 1) / warps * kRoundsPerChunk;
+      return host::div_ceil(rows * Layout::kSlices, warps) * kRoundsPerChunk;
     };
     const auto items = static_cast<int64_t>(pass_items(split_rows, other_rows, Layout::kSlices));
     // Every warp decodes 32 items per round, padding rows included.

@@ -94,6 +94,14 @@ template <typename... Args>
   detail::throw_error("RuntimeError", std::string{}, &where);
 }
 
+/// \brief `a / b` rounded up, for `a >= 0` and `b > 0` (in their common type):
+/// how many groups of `b` hold `a` items.
+template <typename T, typename U>
+constexpr auto div_ceil(T a, U b) {
+  using V = std::common_type_t<T, U>;
+  return (static_cast<V>(a) + static_cast<V>(b) - 1) / static_cast<V>(b);
+}
+
 /// \brief `for (auto i : irange(n))` iterates 0..n-1; `irange(a, b)` iterates a..b-1.
 template <typename T>
 class IntegerRange {
