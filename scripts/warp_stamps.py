@@ -91,7 +91,7 @@ SGL_DEVICE uint64_t sm_id() {{
   }
 """),
     ("(next, slice, ring, params);", "(next, slice, ring, params, first_landed);"),
-    ("  // Every thread waits before it exits, so that this grid completes only",
+    ("  // Nothing after the item loop (has_wait_block)",
      """  if constexpr (!kWritePass) {
     const uint64_t t_done = global_ns();
     if (lane == 0 && warp < kStampWarps) {
@@ -104,7 +104,7 @@ SGL_DEVICE uint64_t sm_id() {{
                 static_cast<unsigned long long>(t_done));
     }
   }
-  // Every thread waits before it exits, so that this grid completes only"""),
+  // Nothing after the item loop (has_wait_block)"""),
 ]
 
 

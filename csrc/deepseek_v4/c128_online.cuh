@@ -394,7 +394,8 @@ struct C128Online {
     using Layout = PrefillLayout<kHeadDim, kSliceDim>;
     constexpr auto kKernel = c128_prefill_kernel<kHeadDim, kSliceDim, kWritePass, kUsePDL, StateT>;
     params.trigger_early = starts_write_pass || trigger_next_early(option.blocks, option.resident);
-    host::LaunchKernel(static_cast<uint32_t>(option.blocks), Layout::kThreads, device, Layout::kRingBytes)
+    const int64_t blocks = option.blocks + (has_wait_block<kUsePDL, kWritePass>(params.overlap_passes) ? 1 : 0);
+    host::LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device, Layout::kRingBytes)
         .enable_pdl(kUsePDL)(kKernel, params);
   }
 

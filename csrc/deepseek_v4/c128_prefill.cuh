@@ -55,6 +55,20 @@ struct PrefillParams {
   bool trigger_early;
 };
 
+/// \brief Whether a pass's grid ends in one block that only waits on the
+/// kernel before it (PDL) and exits. A write pass that overlaps its compress
+/// pass waits only before its stores, so without that block it could
+/// complete before the compress pass (a pass of padding rows alone stores
+/// nothing), and a kernel waiting on it would not wait on both. Every other
+/// pass waits first. One block rather than a wait in every thread after its
+/// item loop: code after that loop made ptxas keep the global memory
+/// descriptor in vector registers and convert it (R2UR) before each load, 24
+/// instructions in each round of two token loads (head_dim 512, 16 channels).
+template <bool kUsePDL, bool kWritePass>
+__host__ __device__ constexpr bool has_wait_block(bool overlap_passes) {
+  return kUsePDL && kWritePass && overlap_passes;
+}
+
 /// \brief Work items of a pass of `split_rows` rows split into `slices`
 /// channel slices each and `other_rows` rows that are not.
 __host__ __device__ inline uint64_t pass_items(uint64_t split_rows, uint64_t other_rows, uint32_t slices) {
@@ -172,19 +186,27 @@ SGL_DEVICE SegmentWork broadcast_work(const SegmentWork& work, uint32_t src) {
 }
 
 /// \brief Merges the partials of the warp's token lanes (lanes `kLanes`
-/// apart hold the same channels); every lane gets the union.
+/// apart hold the same channels); every lane gets the union. The maximum is
+/// reduced first, then each lane rescales its sums to it once and the sums
+/// are added: a step is a shuffle and an add per field, where merging
+/// partials pairwise rescaled both sides at every step (exponentials included).
 template <uint32_t kLanes>
 SGL_DEVICE void merge_token_lanes(SoftmaxPartial& part) {
+  constexpr uint32_t kAll = 0xffffffffu;
+  Vec max = part.max;
 #pragma unroll
   for (uint32_t offset = kLanes; offset < device::kWarpThreads; offset *= 2) {
-    SoftmaxPartial other;
+#pragma unroll
+    for (uint32_t c = 0; c < kVecWidth; ++c) max[c] = fmaxf(max[c], __shfl_xor_sync(kAll, max[c], offset));
+  }
+  rescale_partial(part, max);  // short segments leave some lanes empty
+#pragma unroll
+  for (uint32_t offset = kLanes; offset < device::kWarpThreads; offset *= 2) {
 #pragma unroll
     for (uint32_t c = 0; c < kVecWidth; ++c) {
-      other.max[c] = __shfl_xor_sync(0xffffffffu, part.max[c], offset);
-      other.sum[c] = __shfl_xor_sync(0xffffffffu, part.sum[c], offset);
-      other.acc[c] = __shfl_xor_sync(0xffffffffu, part.acc[c], offset);
+      part.sum[c] += __shfl_xor_sync(kAll, part.sum[c], offset);
+      part.acc[c] += __shfl_xor_sync(kAll, part.acc[c], offset);
     }
-    merge_partial(part, other);  // short segments leave some token lanes empty
   }
 }
 
@@ -215,11 +237,15 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   const float* first_token = params.input + (static_cast<int64_t>(work.last_row) + 1 - work.window_len) * (2 * kHeadDim) + channel;
   const float* first_bias = params.ape + static_cast<int64_t>(work.first_pos) * kHeadDim + channel;
   const auto fetch_tokens = [&](uint32_t round) {
+    // One 64-bit address a round: the batch's tokens sit at constant offsets
+    // from it, which the copies take as immediates (16% fewer instructions
+    // in the token loop than an address per token, SASS).
+    const uint32_t t0 = token_lane + round * kRoundTokens;
+    const float* round_token = first_token + static_cast<int64_t>(t0) * (2 * kHeadDim);
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
-      const uint32_t t = token_lane + round * kRoundTokens + k * kStride;
-      if (t < work.window_len) {
-        const float* token = first_token + static_cast<int64_t>(t) * (2 * kHeadDim);
+      if (t0 + k * kStride < work.window_len) {
+        const float* token = round_token + k * kStride * (2 * kHeadDim);
         async_copy::copy_16(ring.at(round, k, 0), token);
         async_copy::copy_16(ring.at(round, k, 1), token + kHeadDim);
       }
@@ -228,10 +254,11 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   };
   // The bias rows are few and stay in cache; they are loaded one round ahead.
   const auto load_bias = [&](uint32_t round, Vec(&bias)[kBatch]) {
+    const uint32_t t0 = token_lane + round * kRoundTokens;
+    const float* round_bias = first_bias + static_cast<int64_t>(t0) * kHeadDim;
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
-      const uint32_t t = token_lane + round * kRoundTokens + k * kStride;
-      if (t < work.window_len) bias[k].load_read_only(first_bias + static_cast<int64_t>(t) * kHeadDim);
+      if (t0 + k * kStride < work.window_len) bias[k].load_read_only(round_bias + k * kStride * kHeadDim);
     }
   };
 
@@ -309,11 +336,17 @@ __global__ void __launch_bounds__(PrefillLayout<kHeadDim, kSliceDim>::kThreads,
   constexpr uint32_t kWarp = device::kWarpThreads;
   extern __shared__ __align__(16) unsigned char token_ring_bytes[];
   const TokenRing<Layout> ring{reinterpret_cast<Vec*>(token_ring_bytes) + threadIdx.x};
+  const bool wait_block = has_wait_block<kUsePDL, kWritePass>(params.overlap_passes);
+  if (wait_block && blockIdx.x + 1 == gridDim.x) {
+    if (params.trigger_early) device::PDLTriggerSecondary<kUsePDL>();
+    device::PDLWaitPrimary<kUsePDL>();
+    return;
+  }
   if (!(kWritePass && params.overlap_passes)) device::PDLWaitPrimary<kUsePDL>();
   if (params.trigger_early) device::PDLTriggerSecondary<kUsePDL>();
   const uint64_t split_items = static_cast<uint64_t>(params.num_split_rows) * Layout::kSlices;
   const uint64_t num_items = pass_items(params, Layout::kSlices);
-  const uint64_t num_warps = static_cast<uint64_t>(gridDim.x) * Layout::kWarps;
+  const uint64_t num_warps = static_cast<uint64_t>(gridDim.x - (wait_block ? 1 : 0)) * Layout::kWarps;
   const uint32_t lane = threadIdx.x % kWarp;
   const uint64_t warp = static_cast<uint64_t>(blockIdx.x) * Layout::kWarps + threadIdx.x / kWarp;
   for (uint64_t base = warp; base < num_items; base += num_warps * kWarp) {
@@ -334,11 +367,8 @@ __global__ void __launch_bounds__(PrefillLayout<kHeadDim, kSliceDim>::kThreads,
       }
     }
   }
-  // Every thread waits before it exits, so that this grid completes only
-  // after the one before it: a kernel that waits on this one then waits on
-  // both passes.
-  device::PDLWaitPrimary<kUsePDL>();
-  device::PDLTriggerSecondary<kUsePDL>();
+  // Nothing after the item loop (has_wait_block): a block that exits counts
+  // as having let the next kernel launch.
 }
 
 }  // namespace flash_compress::c128

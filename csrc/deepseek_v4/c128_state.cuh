@@ -96,20 +96,18 @@ SGL_DEVICE void absorb_tokens(SoftmaxPartial& part, const Vec (&kv)[kBatch], con
   }
 }
 
-/// \brief `into` becomes the softmax over the union of both token sets.
-/// Either side, or both, may be empty.
-SGL_DEVICE void merge_partial(SoftmaxPartial& into, const SoftmaxPartial& other) {
+/// \brief `part` re-expressed against `max`, per channel at least its own
+/// maximum: its sums scaled by exp(part.max - max). An empty part stays empty
+/// (sums 0), also against a `max` of -inf.
+SGL_DEVICE void rescale_partial(SoftmaxPartial& part, const Vec& max) {
 #pragma unroll
   for (uint32_t c = 0; c < kVecWidth; ++c) {
-    const float max = fmaxf(into.max[c], other.max[c]);
-    // Two empty sides would give exp(-inf - -inf) = NaN; any finite
-    // reference keeps their weights at exp(-inf) = 0.
-    const float ref = max == -INFINITY ? 0.0f : max;
-    const float scale_into = exp_approx(into.max[c] - ref);
-    const float scale_other = exp_approx(other.max[c] - ref);
-    into.max[c] = max;
-    into.sum[c] = into.sum[c] * scale_into + other.sum[c] * scale_other;
-    into.acc[c] = into.acc[c] * scale_into + other.acc[c] * scale_other;
+    // Against -inf, exp(-inf - -inf) would be NaN; a finite reference keeps
+    // an empty part's weight at exp(-inf) = 0.
+    const float scale = exp_approx(part.max[c] - (max[c] == -INFINITY ? 0.0f : max[c]));
+    part.max[c] = max[c];
+    part.sum[c] *= scale;
+    part.acc[c] *= scale;
   }
 }
 
