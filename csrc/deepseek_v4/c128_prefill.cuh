@@ -239,7 +239,8 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   const auto fetch_tokens = [&](uint32_t round) {
     // One 64-bit address a round: the batch's tokens sit at constant offsets
     // from it, which the copies take as immediates (16% fewer instructions
-    // in the token loop than an address per token, SASS).
+    // in the token loop than an address per token, SASS; off the round's
+    // chain of dependent work, so worth little time: docs/PERF_LOG.md).
     const uint32_t t0 = token_lane + round * kRoundTokens;
     const float* round_token = first_token + static_cast<int64_t>(t0) * (2 * kHeadDim);
 #pragma unroll

@@ -26,14 +26,15 @@ inline constexpr bool kSupportedState = std::is_same_v<StateT, float> || std::is
 
 /// \brief e^x as 2^(x log2 e) on the special-function unit, subnormal
 /// results flushed to 0 (e^-inf = 0, as the empty partial needs): two
-/// instructions where expf takes eight. A prefill pass of few rows leaves
-/// each warp nearly alone on its scheduler, so its pace is the instructions
-/// it issues (ncu, head_dim 512, 1 x 2048 + 63 x 1 tokens: 3.0 cycles per
-/// issued instruction, about 2100 instructions a warp), and the token loop's
-/// exponentials were the largest share. Used there (absorb_tokens, where the
-/// pass's layout asks for it) and in the merges of token lanes; results
-/// moved by at most 3.6e-7 relative to expf's (docs/PERF_LOG.md). Single
-/// token updates (decode, verify) and the bfloat16 store keep expf.
+/// dependent instructions where expf chains eight. A prefill pass of few
+/// rows leaves each warp nearly alone on its scheduler, so its pace is the
+/// chain of dependent work in each round of tokens, and each token's weight
+/// waits on its exponential (head_dim 512, 1 x 2048 + 63 x 1 tokens: 6.94 ->
+/// 6.28 us on an H100; cutting a sixth of the instructions off that chain's
+/// side, later, bought 1-5%: docs/PERF_LOG.md). Used there (absorb_tokens,
+/// where the pass's layout asks for it) and in the merges of token lanes;
+/// results moved by at most 3.6e-7 relative to expf's. Single token updates
+/// (decode, verify) and the bfloat16 store keep expf.
 SGL_DEVICE float exp_approx(float x) {
   constexpr float kLog2E = 1.44269504088896340736f;
   float result;
