@@ -231,7 +231,8 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   const int32_t target_slot = kWritePass ? params.indices[work.batch_id] : 0;
   SoftmaxState prior;
 
-  // Round r of this lane holds its tokens token_lane + r * kRoundTokens + k * kStride, k < kBatch.
+  // Round r of this lane holds its tokens round_start(r) + k * kStride, k < kBatch.
+  const auto round_start = [&](uint32_t round) { return token_lane + round * kRoundTokens; };
   const uint32_t rounds =
       token_lane < work.window_len ? (work.window_len - token_lane + kRoundTokens - 1) / kRoundTokens : 0;
   const float* first_token = params.input + (static_cast<int64_t>(work.last_row) + 1 - work.window_len) * (2 * kHeadDim) + channel;
@@ -241,7 +242,7 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
     // from it, which the copies take as immediates (16% fewer instructions
     // in the token loop than an address per token, SASS; off the round's
     // chain of dependent work, so worth little time: docs/PERF_LOG.md).
-    const uint32_t t0 = token_lane + round * kRoundTokens;
+    const uint32_t t0 = round_start(round);
     const float* round_token = first_token + static_cast<int64_t>(t0) * (2 * kHeadDim);
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
@@ -255,7 +256,7 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   };
   // The bias rows are few and stay in cache; they are loaded one round ahead.
   const auto load_bias = [&](uint32_t round, Vec(&bias)[kBatch]) {
-    const uint32_t t0 = token_lane + round * kRoundTokens;
+    const uint32_t t0 = round_start(round);
     const float* round_bias = first_bias + static_cast<int64_t>(t0) * kHeadDim;
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
@@ -277,7 +278,7 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   // Folds round `round`, whose bias rows `bias` holds, once its copies have landed.
   const auto fold_round = [&](uint32_t round, const Vec(&bias)[kBatch]) {
     async_copy::wait<Layout::kStages - 1>();  // this round's group has landed
-    const uint32_t t0 = token_lane + round * kRoundTokens;
+    const uint32_t t0 = round_start(round);
     const uint32_t count = min(kBatch, (work.window_len - t0 + kStride - 1) / kStride);
     // Every vector of the round is read, those past `count` stale (absorb_tokens masks them).
     Vec kv[kBatch], score[kBatch];
