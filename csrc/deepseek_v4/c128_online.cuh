@@ -411,11 +411,16 @@ struct C128Online {
   }
 
   /// \brief Blocks of a prefill kernel that fit on the GPU at once, with
-  /// their token rings.
+  /// their token rings, counted at most Layout::kMinBlocksPerSM an SM: the
+  /// slice-width rule was tuned at that residency, and its grids (so which
+  /// warps sum which tokens) then do not move with a kernel's registers or
+  /// ring; blocks that fit beyond it still take a later pass's grid early.
   template <auto kKernel, class Layout>
   static int64_t resident_blocks(DLDevice device) {
     host::runtime::allow_dynamic_smem<kKernel>(device.device_id, Layout::kRingBytes);
-    return host::runtime::resident_blocks<kKernel>(device.device_id, Layout::kThreads, Layout::kRingBytes);
+    const int64_t fit = host::runtime::resident_blocks<kKernel>(device.device_id, Layout::kThreads, Layout::kRingBytes);
+    const int64_t planned = int64_t{Layout::kMinBlocksPerSM} * host::runtime::multiprocessor_count(device.device_id);
+    return std::min(fit, planned);
   }
 };
 

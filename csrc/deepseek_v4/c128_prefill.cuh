@@ -107,9 +107,24 @@ struct PrefillLayout {
   /// included: asynchronous copies into shared memory keep them in flight
   /// without registers, so the stream does not stall while a lane computes.
   static constexpr uint32_t kStages = 2;
+  /// Whether each token's ape bias row is a third copy of the ring, landing
+  /// with its kv and score, rather than a read-only load into registers a
+  /// round ahead. In a pass bound by its chains (few rows, narrow slices)
+  /// that load landed after the round's copies and stalled the round's first
+  /// add. 128-channel slices at head_dim 256 or less stream faster with the
+  /// registers (head_dim 256 8 x 16384 tokens: 92.4 us against 96.2 with the
+  /// ring, H100; docs/PERF_LOG.md).
+  static constexpr bool kBiasInRing = kHeadDim >= 512 || kSliceDim < 128;
+  /// Whether the ring's bias copies also allocate in L1 (cp.async.ca), which
+  /// pays where the table (kC128ChunkSize rows of head_dim floats) is 64 KiB
+  /// (head_dim 128 1 x 32768 tokens: 8.1 us against 10.3 from L2); from
+  /// head_dim 256 on, the rows come faster from L2 (cp.async.cg).
+  static constexpr bool kBiasInL1 = kHeadDim <= 128;
+  /// Vectors a token keeps in the ring: kv, score and, with kBiasInRing, bias.
+  static constexpr uint32_t kTokenParts = kBiasInRing ? 3 : 2;
   /// Dynamic shared memory of a block: every thread's ring of kStages
-  /// rounds of kBatch (kv, score) vectors.
-  static constexpr uint32_t kRingBytes = kStages * kBatch * 2 * sizeof(Vec) * kThreads;
+  /// rounds of kBatch tokens.
+  static constexpr uint32_t kRingBytes = kStages * kBatch * kTokenParts * sizeof(Vec) * kThreads;
   /// Keeps registers at or under 128, so that 16 warps fit per SM.
   static constexpr uint32_t kMinBlocksPerSM = 16 / kWarps;
   /// Whether the token loop takes its exponentials from exp_approx, which
@@ -160,14 +175,16 @@ SGL_DEVICE bool decode_segment(uint32_t row_index, uint32_t first_slice, uint32_
 }
 
 /// \brief A thread's ring of token rounds in shared memory. Vector (stage, k,
-/// part) of thread i sits at [(stage * kBatch + k) * 2 + part][i], so a warp's
-/// 32 copies of one vector land in 512 contiguous bytes (no bank conflicts).
+/// part) of thread i sits at [(stage * kBatch + k) * kTokenParts + part][i], so
+/// a warp's 32 copies of one vector land in 512 contiguous bytes (no bank
+/// conflicts). Parts: 0 kv, 1 score, 2 bias (Layout::kBiasInRing).
 template <class Layout>
 struct TokenRing {
   Vec* thread_base;
 
   SGL_DEVICE Vec* at(uint32_t round, uint32_t k, uint32_t part) const {
-    return thread_base + (((round % Layout::kStages) * Layout::kBatch + k) * 2 + part) * Layout::kThreads;
+    const uint32_t vector = ((round % Layout::kStages) * Layout::kBatch + k) * Layout::kTokenParts + part;
+    return thread_base + vector * Layout::kThreads;
   }
 };
 
@@ -244,17 +261,21 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
     // chain of dependent work, so worth little time: docs/PERF_LOG.md).
     const uint32_t t0 = round_start(round);
     const float* round_token = first_token + static_cast<int64_t>(t0) * (2 * kHeadDim);
+    const float* round_bias = first_bias + static_cast<int64_t>(t0) * kHeadDim;
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
       if (t0 + k * kStride < work.window_len) {
         const float* token = round_token + k * kStride * (2 * kHeadDim);
         async_copy::copy_16(ring.at(round, k, 0), token);
         async_copy::copy_16(ring.at(round, k, 1), token + kHeadDim);
+        if constexpr (Layout::kBiasInRing) {
+          async_copy::copy_16<Layout::kBiasInL1>(ring.at(round, k, 2), round_bias + k * kStride * kHeadDim);
+        }
       }
     }
     async_copy::commit();  // empty past the last round, so that every round counts one group
   };
-  // The bias rows are few and stay in cache; they are loaded one round ahead.
+  // Without kBiasInRing: a round's bias rows, loaded into registers.
   const auto load_bias = [&](uint32_t round, Vec(&bias)[kBatch]) {
     const uint32_t t0 = round_start(round);
     const float* round_bias = first_bias + static_cast<int64_t>(t0) * kHeadDim;
@@ -275,8 +296,9 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
     prior = load_state(params.state + static_cast<int64_t>(prior_slot) * (3 * kHeadDim) + channel, kHeadDim);
   }
   SoftmaxPartial part = SoftmaxPartial::empty();
-  // Folds round `round`, whose bias rows `bias` holds, once its copies have landed.
-  const auto fold_round = [&](uint32_t round, const Vec(&bias)[kBatch]) {
+  // Folds round `round` once its copies have landed; `bias_row(k)` is the
+  // bias row of its token k.
+  const auto fold_round = [&](uint32_t round, const auto& bias_row) {
     async_copy::wait<Layout::kStages - 1>();  // this round's group has landed
     const uint32_t t0 = round_start(round);
     const uint32_t count = min(kBatch, (work.window_len - t0 + kStride - 1) / kStride);
@@ -286,31 +308,43 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
     for (uint32_t k = 0; k < kBatch; ++k) {
       kv[k].load(ring.at(round, k, 0));
       score[k].load(ring.at(round, k, 1));
+      const Vec bias = bias_row(k);
 #pragma unroll
-      for (uint32_t c = 0; c < kVecWidth; ++c) score[k][c] += bias[k][c];
+      for (uint32_t c = 0; c < kVecWidth; ++c) score[k][c] += bias[c];
     }
     absorb_tokens<kBatch, Layout::kApproxExp>(part, kv, score, count);
   };
-  // Two sets of bias registers that take turns, rounds two at a time: a
-  // round's bias rows are loaded one round ahead into the set the round
-  // after it does not use, so no register copy waits for a load in flight
-  // (with one set, `bias = next_bias` at the end of each round waited for the
-  // next round's rows: a load latency a round for a warp alone on a segment).
-  Vec even_bias[kBatch], odd_bias[kBatch];
-#pragma unroll
-  for (uint32_t k = 0; k < kBatch; ++k) {
-    even_bias[k].fill(0.0f);  // rows past the segment's end keep a defined value
-    odd_bias[k].fill(0.0f);
-  }
-  load_bias(0, even_bias);
-  for (uint32_t round = 0; round < rounds; round += 2) {
-    fetch_tokens(round + Layout::kStages - 1);
-    load_bias(round + 1, odd_bias);
-    fold_round(round, even_bias);
-    if (round + 1 == rounds) break;
-    fetch_tokens(round + Layout::kStages);
-    load_bias(round + 2, even_bias);
-    fold_round(round + 1, odd_bias);
+  if constexpr (Layout::kBiasInRing) {
+    for (uint32_t round = 0; round < rounds; ++round) {
+      fetch_tokens(round + Layout::kStages - 1);
+      fold_round(round, [&](uint32_t k) {
+        Vec bias;
+        bias.load(ring.at(round, k, 2));
+        return bias;
+      });
+    }
+  } else {
+    // Two sets of bias registers that take turns, rounds two at a time: a
+    // round's bias rows are loaded one round ahead into the set the round
+    // after it does not use, so no register copy waits for a load in flight
+    // (with one set, `bias = next_bias` at the end of each round waited for the
+    // next round's rows: a load latency a round for a warp alone on a segment).
+    Vec even_bias[kBatch], odd_bias[kBatch];
+  #pragma unroll
+    for (uint32_t k = 0; k < kBatch; ++k) {
+      even_bias[k].fill(0.0f);  // rows past the segment's end keep a defined value
+      odd_bias[k].fill(0.0f);
+    }
+    load_bias(0, even_bias);
+    for (uint32_t round = 0; round < rounds; round += 2) {
+      fetch_tokens(round + Layout::kStages - 1);
+      load_bias(round + 1, odd_bias);
+      fold_round(round, [&](uint32_t k) { return even_bias[k]; });
+      if (round + 1 == rounds) break;
+      fetch_tokens(round + Layout::kStages);
+      load_bias(round + 2, even_bias);
+      fold_round(round + 1, [&](uint32_t k) { return odd_bias[k]; });
+    }
   }
   if constexpr (kStride > 1) merge_token_lanes<Layout::kLanes>(part);
   if (token_lane != 0 || !slots_ok) return;

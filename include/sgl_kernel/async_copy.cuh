@@ -16,10 +16,17 @@
 namespace device::async_copy {
 
 /// \brief Starts copying 16 bytes from global `src` to shared `dst` (both
-/// 16-byte aligned). Cached in L2 only: the bytes are read once, from shared.
+/// 16-byte aligned). Cached in L2 only (cp.async.cg): the bytes are read
+/// once, from shared. `kKeepInL1` (cp.async.ca) also keeps them in L1, for a
+/// small read-only table that the SM's warps read again.
+template <bool kKeepInL1 = false>
 SGL_DEVICE void copy_16(void* dst, const void* src) {
   const auto shared = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared), "l"(src) : "memory");
+  if constexpr (kKeepInL1) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(shared), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared), "l"(src) : "memory");
+  }
 }
 
 /// \brief Closes the group of copies this thread started since the last
