@@ -41,7 +41,8 @@ from flash_compress.c128_online import HEAD_DIMS_TESTED  # noqa: E402
 from flash_compress.host_planner import plan_segments  # noqa: E402
 from schedule import graph_plan_passes, prefill_pass, round_tokens  # noqa: E402
 
-#: Prefill blocks (64 threads at 128 registers) that fit one SM at once, as prefill_pass counts them.
+#: Prefill blocks (64 threads) an SM, as the host counts them for the width rule (at most
+#: ``PrefillLayout::kMinBlocksPerSM``, whatever more fit) and as prefill_pass does.
 BLOCKS_PER_SM = 8
 #: Warps of a prefill block (PrefillLayout::kWarps).
 WARPS_PER_BLOCK = 2
