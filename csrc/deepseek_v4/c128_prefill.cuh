@@ -111,9 +111,9 @@ struct PrefillLayout {
   /// with its kv and score, rather than a read-only load into registers a
   /// round ahead. In a pass bound by its chains (few rows, narrow slices)
   /// that load landed after the round's copies and stalled the round's first
-  /// add. 128-channel slices at head_dim 256 or less stream faster with the
-  /// registers (head_dim 256 8 x 16384 tokens: 92.4 us against 96.2 with the
-  /// ring, H100; docs/PERF_LOG.md).
+  /// add. 128-channel slices at head_dim 256 or less keep the registers: with
+  /// the ring's copies from L2, as head_dim 256 takes them (kBiasInL1), its
+  /// 8 x 16384 tokens ran 96.2 us against 92.4 (H100; docs/PERF_LOG.md).
   static constexpr bool kBiasInRing = kHeadDim >= 512 || kSliceDim < 128;
   /// Whether the ring's bias copies also allocate in L1 (cp.async.ca), which
   /// pays where the table (kC128ChunkSize rows of head_dim floats) is 64 KiB
@@ -330,7 +330,7 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
     // (with one set, `bias = next_bias` at the end of each round waited for the
     // next round's rows: a load latency a round for a warp alone on a segment).
     Vec even_bias[kBatch], odd_bias[kBatch];
-  #pragma unroll
+#pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
       even_bias[k].fill(0.0f);  // rows past the segment's end keep a defined value
       odd_bias[k].fill(0.0f);
