@@ -263,30 +263,31 @@ def test_decode_and_verify_blocks_tile_their_requests_at_every_head_dim(tmp_path
         assert 3 * head_dim * 4 == commit_f32 * 4 * 16 and 3 * head_dim * 2 == commit_bf16 * 4 * 16, head_dim
 
 
-# Prints, per supported head dim and prefill slice width that divides it: "head_dim slice_dim ring_bytes
-# threads min_blocks_per_sm".
+# Prints, per supported head dim and prefill slice width a pass there may run (`slice_fits`): "head_dim
+# slice_dim ring_bytes threads min_blocks_per_sm".
 PREFILL_RING_PROGRAM = """
-#include <deepseek_v4/c128_prefill.cuh>
+#include <deepseek_v4/c128_slice_width.cuh>
 
 #include <cstdio>
 #include <utility>
 
 using namespace flash_compress::c128;
 
-template <int64_t kHeadDim, uint32_t kSliceDim>
-void print_layout() {
-  if constexpr (kHeadDim % kSliceDim == 0) {
-    using Layout = PrefillLayout<kHeadDim, kSliceDim>;
-    std::printf("%lld %u %u %u %u\\n", static_cast<long long>(kHeadDim), kSliceDim, Layout::kRingBytes,
-                Layout::kThreads, Layout::kMinBlocksPerSM);
-  }
+template <int64_t kHeadDim>
+void print_layouts() {
+  per_slice_width([]<class Width>(Width) {
+    if constexpr (slice_fits<kHeadDim, /*kWritePass=*/false>(Width::kDim)) {
+      using Layout = PrefillLayout<kHeadDim, Width::kDim>;
+      std::printf("%lld %u %u %u %u\\n", static_cast<long long>(kHeadDim), Width::kDim, Layout::kRingBytes,
+                  Layout::kThreads, Layout::kMinBlocksPerSM);
+    }
+    return 0;
+  });
 }
 
 template <int64_t... kSteps>
 void print_all(std::integer_sequence<int64_t, kSteps...>) {
-  ((print_layout<64 * (kSteps + 1), 128>(), print_layout<64 * (kSteps + 1), 64>(),
-    print_layout<64 * (kSteps + 1), 32>(), print_layout<64 * (kSteps + 1), 16>(),
-    print_layout<64 * (kSteps + 1), 8>()), ...);
+  (print_layouts<64 * (kSteps + 1)>(), ...);
 }
 
 int main() {
@@ -306,9 +307,10 @@ def test_prefill_rings_let_the_blocks_the_width_rule_counts_fit(tmp_path):
     tests' mirror does (8 blocks of 2 warps, `schedule.prefill_pass`); their token rings must let that
     many fit an sm_90 SM, or the rule would plan grids the hardware cannot hold at once (a ring that
     also holds the bias rows, `kBiasInRing`, is 24 KiB: 8 fit, with 28 KiB to spare)."""
+    from schedule import slice_widths
+
     rows = run_program(PREFILL_RING_PROGRAM, tmp_path)
-    assert {(row[0], row[1]) for row in rows} == {(h, w) for h in range(64, 1025, 64)
-                                                   for w in (128, 64, 32, 16, 8) if h % w == 0}
+    assert {(row[0], row[1]) for row in rows} == {(h, w) for h in range(64, 1025, 64) for w in slice_widths(h)}
     for head_dim, slice_dim, ring_bytes, threads, blocks in rows:
         assert blocks == 8 and threads == 64, (head_dim, slice_dim)
         assert blocks * (ring_bytes + SM90_RESERVED_PER_BLOCK) <= SM90_SHARED_BYTES, (head_dim, slice_dim, ring_bytes)
