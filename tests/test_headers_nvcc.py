@@ -214,6 +214,21 @@ def test_kernels_fit_the_registers_their_launch_shapes_assume(head_dim, tmp_path
         assert bf16_decode and max(bf16_decode.values()) <= 32, bf16_decode
 
 
+# The end of a host program whose `print_layouts<kHeadDim>()` prints a line per supported head dim: it is
+# called at 64, 128, ..., 1024, in order.
+EVERY_HEAD_DIM_MAIN = """
+template <int64_t... kSteps>
+void print_all(std::integer_sequence<int64_t, kSteps...>) {
+  (print_layouts<64 * (kSteps + 1)>(), ...);
+}
+
+int main() {
+  print_all(std::make_integer_sequence<int64_t, 16>{});
+  return 0;
+}
+"""
+
+
 # Prints, per supported head dim, the thread layouts of decode, verify and commit:
 # "head_dim lanes verify_threads verify_requests decode_max_threads decode_min_requests decode_max_requests
 #  commit_threads_per_row_f32 commit_threads_per_row_bf16".
@@ -235,16 +250,6 @@ void print_layouts() {
               Decode::kMaxRequestsPerBlock, CommitLayout<kHeadDim, float>::kThreadsPerRow,
               CommitLayout<kHeadDim, device::bf16_t>::kThreadsPerRow);
 }
-
-template <int64_t... kSteps>
-void print_all(std::integer_sequence<int64_t, kSteps...>) {
-  (print_layouts<64 * (kSteps + 1)>(), ...);
-}
-
-int main() {
-  print_all(std::make_integer_sequence<int64_t, 16>{});
-  return 0;
-}
 """
 
 
@@ -254,7 +259,7 @@ def test_decode_and_verify_blocks_tile_their_requests_at_every_head_dim(tmp_path
     """A request's lanes (head_dim / 4 threads, 4 channels each) never straddle blocks and no thread is left
     over to fall onto the next block's request, at every supported head dim; a decode block is at least a
     warp; commit's threads split a row into whole pieces."""
-    rows = run_program(LAYOUT_PROGRAM, tmp_path)
+    rows = run_program(LAYOUT_PROGRAM + EVERY_HEAD_DIM_MAIN, tmp_path)
     assert [row[0] for row in rows] == list(range(64, 1025, 64))
     for head_dim, lanes, threads, requests, decode_max, decode_min, decode_most, commit_f32, commit_bf16 in rows:
         assert lanes == head_dim // 4
@@ -284,16 +289,6 @@ void print_layouts() {
     return 0;
   });
 }
-
-template <int64_t... kSteps>
-void print_all(std::integer_sequence<int64_t, kSteps...>) {
-  (print_layouts<64 * (kSteps + 1)>(), ...);
-}
-
-int main() {
-  print_all(std::make_integer_sequence<int64_t, 16>{});
-  return 0;
-}
 """
 
 #: An sm_90 SM's shared memory (H100, H200) and what each resident block reserves of it.
@@ -309,7 +304,7 @@ def test_prefill_rings_let_the_blocks_the_width_rule_counts_fit(tmp_path):
     also holds the bias rows, `kBiasInRing`, is 24 KiB: 8 fit, with 28 KiB to spare)."""
     from schedule import slice_widths
 
-    rows = run_program(PREFILL_RING_PROGRAM, tmp_path)
+    rows = run_program(PREFILL_RING_PROGRAM + EVERY_HEAD_DIM_MAIN, tmp_path)
     assert {(row[0], row[1]) for row in rows} == {(h, w) for h in range(64, 1025, 64) for w in slice_widths(h)}
     for head_dim, slice_dim, ring_bytes, threads, blocks in rows:
         assert blocks == 8 and threads == 64, (head_dim, slice_dim)
