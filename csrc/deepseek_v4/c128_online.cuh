@@ -395,8 +395,20 @@ struct C128Online {
     constexpr auto kKernel = c128_prefill_kernel<kHeadDim, kSliceDim, kWritePass, kUsePDL, StateT>;
     params.trigger_early = starts_write_pass || trigger_next_early(option.blocks, option.resident);
     const int64_t blocks = option.blocks + (has_wait_block<kUsePDL, kWritePass>(params.overlap_passes) ? 1 : 0);
-    host::LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device, Layout::kRingBytes)
+    host::LaunchKernel(static_cast<uint32_t>(blocks), Layout::kThreads, device, ring_smem<Layout>(device))
         .enable_pdl(kUsePDL)(kKernel, params);
+  }
+
+  /// \brief A prefill block's dynamic shared memory: its token ring, padded
+  /// so that no more than Layout::kMinBlocksPerSM blocks fit an SM, the
+  /// residency the width rule counts. Where registers and ring would let a
+  /// ninth in, the next pass's blocks took that slot early and slowed the
+  /// pass they overlapped: bf16 head_dim 512 1 x 32768 tokens of a padded
+  /// plan ran 50.1 us against 48.1 with the padding (H100; docs/PERF_LOG.md).
+  template <class Layout>
+  static size_t ring_smem(DLDevice device) {
+    return std::max<size_t>(Layout::kRingBytes,
+                            host::runtime::smem_capping_residency(device.device_id, Layout::kMinBlocksPerSM));
   }
 
   /// \brief Blocks of one pass's kernel at one slice width that fit on the GPU at once.
@@ -414,11 +426,12 @@ struct C128Online {
   /// their token rings, counted at most Layout::kMinBlocksPerSM an SM: the
   /// slice-width rule was tuned at that residency, and its grids (so which
   /// warps sum which tokens) then do not move with a kernel's registers or
-  /// ring; blocks that fit beyond it still take a later pass's grid early.
+  /// ring. ring_smem holds the hardware to the same count where it can.
   template <auto kKernel, class Layout>
   static int64_t resident_blocks(DLDevice device) {
-    host::runtime::allow_dynamic_smem<kKernel>(device.device_id, Layout::kRingBytes);
-    const int64_t fit = host::runtime::resident_blocks<kKernel>(device.device_id, Layout::kThreads, Layout::kRingBytes);
+    const size_t smem = ring_smem<Layout>(device);
+    host::runtime::allow_dynamic_smem<kKernel>(device.device_id, smem);
+    const int64_t fit = host::runtime::resident_blocks<kKernel>(device.device_id, Layout::kThreads, smem);
     const int64_t planned = int64_t{Layout::kMinBlocksPerSM} * host::runtime::multiprocessor_count(device.device_id);
     return std::min(fit, planned);
   }

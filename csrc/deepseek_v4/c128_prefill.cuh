@@ -246,7 +246,10 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   const bool has_prior = work.first_pos != 0;
   const int32_t prior_slot = has_prior ? params.load_indices[work.batch_id] : -1;
   const int32_t target_slot = kWritePass ? params.indices[work.batch_id] : 0;
-  SoftmaxState prior;
+  // Held as the words its loads return and widened after the token loop:
+  // widened where loaded, a bf16 state made the warp wait for its load
+  // before the loop's first round (SASS).
+  StoredState<StateT> prior;
 
   // Round r of this lane holds its tokens round_start(r) + k * kStride, k < kBatch.
   const auto round_start = [&](uint32_t round) { return token_lane + round * kRoundTokens; };
@@ -293,7 +296,8 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   // Issued once the first round of tokens is in flight (it waits for the
   // slot), and only by the lanes that finish the state.
   if (token_lane == 0 && has_prior && slots_ok) {
-    prior = load_state(params.state + static_cast<int64_t>(prior_slot) * (3 * kHeadDim) + channel, kHeadDim);
+    prior = StoredState<StateT>::load(params.state + static_cast<int64_t>(prior_slot) * (3 * kHeadDim) + channel,
+                                      kHeadDim);
   }
   SoftmaxPartial part = SoftmaxPartial::empty();
   // Folds round `round` once its copies have landed; `bias_row(k)` is the
@@ -349,7 +353,7 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   if constexpr (kStride > 1) merge_token_lanes<Layout::kLanes>(part);
   if (token_lane != 0 || !slots_ok) return;
 
-  const SoftmaxState out = has_prior ? finish_state(part, prior) : finish_state(part);
+  const SoftmaxState out = has_prior ? finish_state(part, prior.widen()) : finish_state(part);
   if constexpr (kWritePass) {
     // The compress pass may still be reading this slot (overlap_passes).
     device::PDLWaitPrimary<kUsePDL>();
