@@ -301,7 +301,9 @@ def test_prefill_rings_let_the_blocks_the_width_rule_counts_fit(tmp_path):
     """The host counts at most `kMinBlocksPerSM` prefill blocks an SM for the width rule, as the GPU
     tests' mirror does (8 blocks of 2 warps, `schedule.prefill_pass`); their token rings must let that
     many fit an sm_90 SM, or the rule would plan grids the hardware cannot hold at once (a ring that
-    also holds the bias rows, `kBiasInRing`, is 24 KiB: 8 fit, with 28 KiB to spare)."""
+    also holds the bias rows, `kBiasInRing`, is 24 KiB: 8 fit, with 28 KiB to spare). Where they fit,
+    `C128Online::ring_smem` pads each block's shared memory up to an SM's over 8, so that no ninth
+    block fits either."""
     from schedule import slice_widths
 
     rows = run_program(PREFILL_RING_PROGRAM + EVERY_HEAD_DIM_MAIN, tmp_path)
