@@ -257,6 +257,8 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
       token_lane < work.window_len ? (work.window_len - token_lane + kRoundTokens - 1) / kRoundTokens : 0;
   const float* first_token = params.input + (static_cast<int64_t>(work.last_row) + 1 - work.window_len) * (2 * kHeadDim) + channel;
   const float* first_bias = params.ape + static_cast<int64_t>(work.first_pos) * kHeadDim + channel;
+  // The bias row of token t0; those of its round sit k * kStride rows on.
+  const auto round_bias = [&](uint32_t t0) { return first_bias + static_cast<int64_t>(t0) * kHeadDim; };
   const auto fetch_tokens = [&](uint32_t round) {
     // One 64-bit address a round: the batch's tokens sit at constant offsets
     // from it, which the copies take as immediates (16% fewer instructions
@@ -264,7 +266,6 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
     // chain of dependent work, so worth little time: docs/PERF_LOG.md).
     const uint32_t t0 = round_start(round);
     const float* round_token = first_token + static_cast<int64_t>(t0) * (2 * kHeadDim);
-    const float* round_bias = first_bias + static_cast<int64_t>(t0) * kHeadDim;
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
       if (t0 + k * kStride < work.window_len) {
@@ -272,7 +273,7 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
         async_copy::copy_16(ring.at(round, k, 0), token);
         async_copy::copy_16(ring.at(round, k, 1), token + kHeadDim);
         if constexpr (Layout::kBiasInRing) {
-          async_copy::copy_16<Layout::kBiasInL1>(ring.at(round, k, 2), round_bias + k * kStride * kHeadDim);
+          async_copy::copy_16<Layout::kBiasInL1>(ring.at(round, k, 2), round_bias(t0) + k * kStride * kHeadDim);
         }
       }
     }
@@ -281,10 +282,9 @@ SGL_DEVICE void compress_segment(const SegmentWork& work, uint32_t slice, const 
   // Without kBiasInRing: a round's bias rows, loaded into registers.
   const auto load_bias = [&](uint32_t round, Vec(&bias)[kBatch]) {
     const uint32_t t0 = round_start(round);
-    const float* round_bias = first_bias + static_cast<int64_t>(t0) * kHeadDim;
 #pragma unroll
     for (uint32_t k = 0; k < kBatch; ++k) {
-      if (t0 + k * kStride < work.window_len) bias[k].load_read_only(round_bias + k * kStride * kHeadDim);
+      if (t0 + k * kStride < work.window_len) bias[k].load_read_only(round_bias(t0) + k * kStride * kHeadDim);
     }
   };
 
