@@ -2,7 +2,7 @@
 
     python scripts/bench.py [--head-dim 128 256 512] [--json bench.json] [--quick] [--skip-torch]
                             [--state-dtype float32 bfloat16]
-                            [--reference ../shared/seed/c128_online.cuh.txt]
+                            [--reference ../shared/seed/c128_online.cuh.txt] [--rounds 1]
 
 Times are CUDA-event medians; decode at small batch is timed as CUDA-graph replays of many launches
 (launch gaps would dominate otherwise). Prefill rows time one call between events, which includes
@@ -21,6 +21,13 @@ really moves. Each state dtype is its own implementation row ("flash_compress" f
 With ``--reference``, the reference design (``scripts/reference_design.py``)
 runs the same cases on the same data in the same run, planned by its own
 planner.
+
+Within a case, the implementations are timed one after another. With ``--rounds R`` every row of a
+case is timed R times, in rounds that take the case's rows forwards, then backwards, in turn, and
+the table gives the median over rounds: a row timed first in one round is timed last in the next,
+so that no implementation always runs before or after the same one (float32 before bfloat16, say)
+and drifts of clock or temperature fall on all alike. One round (the default) is a single pass in
+the order of the table.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import itertools
 import json
 import statistics
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -67,6 +75,24 @@ def median_ms(fn, iters: int = 50, warmup: int = 5, before=None) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def timed_in_rounds(measures: Sequence[Callable[[], float]], rounds: int,
+                    after_round: Callable[[list[list[float]]], None] | None = None) -> list[list[float]]:
+    """Each of ``measures``' results in each of ``rounds`` rounds (one list per measure). A round takes
+    every measure once, forwards in even rounds and backwards in odd ones, so that no measure always
+    follows the same neighbour (whose clocks, L2 contents or heat it would inherit).
+    ``after_round``, if given, sees the results so far after each round."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    results: list[list[float]] = [[] for _ in measures]
+    for done in range(rounds):
+        order = range(len(measures)) if done % 2 == 0 else reversed(range(len(measures)))
+        for i in order:
+            results[i].append(measures[i]())
+        if after_round is not None:
+            after_round(results)
+    return results
 
 
 def capture_graph(fn, launches: int) -> torch.cuda.CUDAGraph:
@@ -271,6 +297,17 @@ def implementations(args) -> list[tuple[str, object, torch.dtype]]:
     return impls
 
 
+@dataclass
+class Timing:
+    """A row to time: ``measure()`` takes one timing, in ms per call."""
+
+    case: str
+    impl: str
+    measure: Callable[[], float]
+    traffic: Traffic
+    state_dtype: torch.dtype = torch.float32
+
+
 def run(args) -> list[Row]:
     head_dim = args.head_dim
     impls = implementations(args)
@@ -282,14 +319,18 @@ def run(args) -> list[Row]:
           f"L2 {l2 / 2**20:.0f} MiB")
     rows: list[Row] = []
 
-    def add(case, impl, ms, traffic, state_dtype=torch.float32):
-        gbps = traffic.bytes(state_dtype) / (ms * 1e-3) / 1e9
-        rows.append(Row(case, impl, ms * 1e3, gbps, 100 * gbps / ceiling))
+    def time_case(timings: list[Timing]) -> None:
+        """Times a case's rows in ``args.rounds`` rounds (``timed_in_rounds``); a row per timing, its median."""
+        for t, ms in zip(timings, timed_in_rounds([t.measure for t in timings], args.rounds)):
+            gbps = t.traffic.bytes(t.state_dtype) / (statistics.median(ms) * 1e-3) / 1e9
+            rows.append(Row(t.case, t.impl, statistics.median(ms) * 1e3, gbps, 100 * gbps / ceiling))
 
     prefill_cases = PREFILL_CASES if not args.quick else PREFILL_CASES[:1] + PREFILL_CASES[2:3]
     for name, batch, extend, random_prefix, singles in prefill_cases:
         data, exact, padded, traffic = prefill_case(planner, head_dim, batch, extend, random_prefix, gen, singles)
         d = data
+        case = f"prefill {name}"
+        timings: list[Timing] = []
 
         for impl, impl_module, state_dtype in impls:
             # Each implementation runs the plans of its own planner (ours are planned already).
@@ -302,29 +343,31 @@ def run(args) -> list[Row]:
             def call(plans, m=impl_module, state=state):
                 m.run_prefill(state, d["input"], d["out"], d["ape"], d["indices"], *plans, None)
 
-            add(f"prefill {name}", impl, median_ms(lambda: call(own_exact)), traffic, state_dtype)
-            add(f"prefill {name}", f"{impl} graph-plan", median_ms(lambda: call(own_padded)), traffic, state_dtype)
+            def timing(label, measure, state_dtype=state_dtype):
+                timings.append(Timing(case, label, measure, traffic, state_dtype))
+
+            timing(impl, lambda call=call, plans=own_exact: median_ms(lambda: call(plans)))
+            timing(f"{impl} graph-plan", lambda call=call, plans=own_padded: median_ms(lambda: call(plans)))
             # The kernels alone: a single call's events also hold its host and launch latency.
-            add(f"prefill {name}", f"{impl} in graph", graph_median_ms(lambda: call(own_exact), launches=10, iters=20),
-                traffic, state_dtype)
+            timing(f"{impl} in graph", lambda call=call, plans=own_exact: graph_median_ms(
+                lambda: call(plans), launches=10, iters=20))
             # What an engine that captures prefill replays: plans padded to a row per token.
-            add(f"prefill {name}", f"{impl} graph-plan in graph",
-                graph_median_ms(lambda: call(own_padded), launches=10, iters=20), traffic, state_dtype)
+            timing(f"{impl} graph-plan in graph", lambda call=call, plans=own_padded: graph_median_ms(
+                lambda: call(plans), launches=10, iters=20))
             copies = cold_copies(traffic.bytes(state_dtype), l2)
             if copies:
                 calls = cold_calls(impl_module.run_prefill,
                                    (state, d["input"], d["out"], d["ape"], d["indices"], *own_exact, None), copies)
-                add(f"prefill {name}", f"{impl} in graph, cold", cold_graph_median_ms(calls), traffic, state_dtype)
-                del calls
-            del state
+                timing(f"{impl} in graph, cold", lambda calls=calls: cold_graph_median_ms(calls))
         if not random_prefix and not singles and not args.skip_torch:
             out_rows = torch.empty(batch * extend // CHUNK_SIZE, head_dim, device="cuda")
-            add(f"prefill {name}", "torch eager",
-                median_ms(lambda: torch_prefill_aligned(d["input"], d["ape"], out_rows), iters=20), traffic)
             compiled = torch.compile(torch_prefill_aligned)
-            add(f"prefill {name}", "torch.compile",
-                median_ms(lambda: compiled(d["input"], d["ape"], out_rows), iters=20, warmup=3), traffic)
-        del data
+            timings.append(Timing(case, "torch eager", lambda: median_ms(
+                lambda: torch_prefill_aligned(d["input"], d["ape"], out_rows), iters=20), traffic))
+            timings.append(Timing(case, "torch.compile", lambda: median_ms(
+                lambda: compiled(d["input"], d["ape"], out_rows), iters=20, warmup=3), traffic))
+        time_case(timings)
+        del data, timings
 
     decode_batches = DECODE_BATCHES if not args.quick else [1, 32768]
     for batch in decode_batches:
@@ -335,27 +378,31 @@ def run(args) -> list[Row]:
 
         in_graph = batch <= 4096
         case = f"decode B={batch}" + (" (graph)" if in_graph else "")
+        timings = []
         for impl, impl_module, state_dtype in impls:
             impl_args = (decode_args[0].to(state_dtype), *decode_args[1:])
 
             def decode_call(m=impl_module, impl_args=impl_args):
                 m.run_decode(*impl_args, None)
 
-            add(case, impl, graph_median_ms(decode_call) if in_graph else median_ms(decode_call), traffic, state_dtype)
+            timings.append(Timing(case, impl, (lambda call=decode_call: graph_median_ms(call)) if in_graph else
+                                  (lambda call=decode_call: median_ms(call)), traffic, state_dtype))
             if not in_graph:  # the kernel alone, as the prefill rows' "in graph"
-                add(case, f"{impl} in graph", graph_median_ms(decode_call, launches=10, iters=20), traffic,
-                    state_dtype)
+                timings.append(Timing(case, f"{impl} in graph", lambda call=decode_call: graph_median_ms(
+                    call, launches=10, iters=20), traffic, state_dtype))
             copies = cold_copies(traffic.bytes(state_dtype), l2) if in_graph else 0
             if copies:
                 calls = cold_calls(impl_module.run_decode, (*impl_args, None), copies)
-                add(case, f"{impl} cold", cold_graph_median_ms(calls), traffic, state_dtype)
-                del calls
-            del impl_args
+                timings.append(Timing(case, f"{impl} cold", lambda calls=calls: cold_graph_median_ms(calls), traffic,
+                                      state_dtype))
         if not args.skip_torch:
-            add(case, "torch eager", graph_median_ms(eager, launches=10) if in_graph else median_ms(eager, iters=20),
-                traffic)
+            timings.append(Timing(case, "torch eager", (lambda: graph_median_ms(eager, launches=10)) if in_graph else
+                                  (lambda: median_ms(eager, iters=20)), traffic))
+        time_case(timings)
+        del timings
     if not args.quick:
-        speculative_rows(impls, head_dim, add)
+        for timings in speculative_timings(impls, head_dim):
+            time_case(timings)
     return rows, ceiling
 
 
@@ -385,14 +432,18 @@ def verify_case(head_dim, batch, window, device="cuda", seed=0):
     return (state, inputs, out, ape, indices, seq_lens, prefix), accept, verify_traffic, commit_traffic
 
 
-def speculative_rows(impls, head_dim, add) -> None:
-    """Verify and commit (T = 4) in CUDA graphs, beside a decode of as many tokens."""
+def speculative_timings(impls, head_dim):
+    """Verify and commit (T = 4) in CUDA graphs, beside a decode of as many tokens: a list of timings
+    per batch, our implementations only (the reference design has no speculative decoding)."""
     window = 4
     for batch in (512, 8192):
         tokens = batch * window
         decode_args, decode_traffic = decode_case(head_dim, tokens)
         verify_args, accept, verify_traffic, commit_traffic = verify_case(head_dim, batch, window)
         state, inputs, out, ape, indices, seq_lens, prefix_f32 = verify_args
+        step_traffic = Traffic(verify_traffic.float_bytes, verify_traffic.state_values + commit_traffic.state_values)
+        case = f"B={batch} T={window} (graph)"
+        timings = []
         for impl, module, state_dtype in impls:
             if not impl.startswith("flash_compress"):
                 continue
@@ -406,21 +457,20 @@ def speculative_rows(impls, head_dim, add) -> None:
             def commit(m=module, pool=pool, prefix=prefix):
                 m.run_commit(pool, prefix, indices, accept)
 
-            def step():
+            def step(verify=verify, commit=commit):
                 verify()
                 commit()
 
             def decode(m=module, decode_state=decode_state):
                 m.run_decode(decode_state, *decode_args[1:], None)
 
-            case = f"B={batch} T={window} (graph)"
-            add(f"decode B={tokens} (graph)", impl, graph_median_ms(decode, launches=20), decode_traffic, state_dtype)
-            add(f"verify {case}", impl, graph_median_ms(verify, launches=20), verify_traffic, state_dtype)
-            add(f"commit {case}", impl, graph_median_ms(commit, launches=20), commit_traffic, state_dtype)
-            add(f"verify+commit {case}", impl, graph_median_ms(step, launches=20),
-                Traffic(verify_traffic.float_bytes, verify_traffic.state_values + commit_traffic.state_values),
-                state_dtype)
-            del pool, prefix, decode_state
+            for row_case, call, traffic in ((f"decode B={tokens} (graph)", decode, decode_traffic),
+                                            (f"verify {case}", verify, verify_traffic),
+                                            (f"commit {case}", commit, commit_traffic),
+                                            (f"verify+commit {case}", step, step_traffic)):
+                timings.append(Timing(row_case, impl, lambda call=call: graph_median_ms(call, launches=20), traffic,
+                                      state_dtype))
+        yield timings
 
 
 def main() -> int:
@@ -433,7 +483,12 @@ def main() -> int:
                         help="state dtypes of our kernels to time, each its own implementation (default: both)")
     parser.add_argument("--reference", default=None, metavar="SEED",
                         help="also time the reference design built from this seed file (the upstream contract's seed kernel)")
+    parser.add_argument("--rounds", type=int, default=1, metavar="R",
+                        help="time each case's rows R times, forwards and backwards in turn, and report medians "
+                             "(default 1: one pass in the table's order)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     if not torch.cuda.is_available():
         print("bench.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -453,7 +508,8 @@ def main() -> int:
         print(f"{r['case']:34} {r['impl']:28} {r['us']:10.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": ceiling,
-                                               "tables": tables, "planner": planner}, indent=2))
+                                               "rounds": args.rounds, "tables": tables, "planner": planner},
+                                              indent=2))
     return 0
 
 

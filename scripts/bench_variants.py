@@ -13,7 +13,8 @@ checkout, a folder with ``csrc/deepseek_v4/`` and ``include/`` (a worktree with
 an experiment of ``docs/experiments/`` applied, say), whose ``csrc/`` and
 ``include/`` are built whole. Every implementation runs the bench.py
 cases on the same tensors, in rounds that visit every implementation in turn,
-so that drifts of clock and temperature hit all of them alike; the table shows
+forwards then backwards (bench.py's ``timed_in_rounds``), so that drifts of
+clock and temperature hit all of them alike and none always runs first; the table shows
 the median and the minimum over rounds (us). Decode and verify steps (T=4) run
 in CUDA graphs up to B=4096 (verify always). Prefill cases are timed four
 ways: one call with exact plans between events, the same in a CUDA graph of 10
@@ -275,6 +276,8 @@ def main() -> int:
     parser.add_argument("--decode-batches", type=int, nargs="+", default=bench.DECODE_BATCHES, metavar="B",
                         help=f"decode batch sizes to time (default {' '.join(map(str, bench.DECODE_BATCHES))})")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     if args.check_close and args.state_dtype != "float32":
         parser.error("--check-close compares float32 states (see CLOSE_RTOL); run it with --state-dtype float32")
     if not torch.cuda.is_available():
@@ -309,18 +312,26 @@ def main() -> int:
         return 1
     timed = cases(impls, args.head_dim, args.decode_only, state_dtypes, args.per_pass,
                   args.decode_batches, args.prefill_only)
-    timings: dict[str, dict[str, list[float]]] = {}
-    for done in range(1, args.rounds + 1):
-        for case, per_impl in timed.items():
-            for impl, (call, in_graph, launches) in per_impl.items():
-                ms = bench.graph_median_ms(call, launches=launches, iters=20) if in_graph else bench.median_ms(call)
-                timings.setdefault(case, {}).setdefault(impl, []).append(ms * 1e3)
-        # The table so far after every round, so that a run cut short still leaves its figures.
-        print(f"\n# after round {done} of {args.rounds}: median (min) us per call")
+    rows = [(case, impl, call, in_graph, launches) for case, per_impl in timed.items()
+            for impl, (call, in_graph, launches) in per_impl.items()]
+
+    def measure(call, in_graph, launches) -> float:
+        return 1e3 * (bench.graph_median_ms(call, launches=launches, iters=20) if in_graph else bench.median_ms(call))
+
+    round_numbers = iter(range(1, args.rounds + 1))
+
+    def print_table(results: list[list[float]]) -> None:
+        """The table so far after every round, so that a run cut short still leaves its figures."""
+        print(f"\n# after round {next(round_numbers)} of {args.rounds}: median (min) us per call")
         print(f"{'case':42} " + " ".join(f"{name:>18}" for name in impls))
-        for case, per_impl in timings.items():
-            print(f"{case:42} " + " ".join(f"{statistics.median(v):9.2f} ({min(v):6.2f})" for v in per_impl.values()),
+        per_case: dict[str, list[list[float]]] = {}
+        for (case, *_), times in zip(rows, results):
+            per_case.setdefault(case, []).append(times)
+        for case, per_impl in per_case.items():
+            print(f"{case:42} " + " ".join(f"{statistics.median(v):9.2f} ({min(v):6.2f})" for v in per_impl),
                   flush=True)
+
+    bench.timed_in_rounds([lambda row=row: measure(*row[2:]) for row in rows], args.rounds, print_table)
     return 0
 
 

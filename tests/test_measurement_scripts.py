@@ -192,6 +192,28 @@ def test_cold_rows_cycle_through_enough_copies_to_span_twice_the_l2():
     assert bench.cold_copies(2 * l2 // bench.MOST_COPIES - 1, l2) == 0  # too small: latency-bound, no cold row
 
 
+def test_rounds_take_the_measures_forwards_then_backwards_and_keep_each_ones_results():
+    bench = load_script("slice_widths").bench
+    order, after = [], []
+    measures = [lambda name=name: order.append(name) or 10.0 * len(order) for name in "abc"]
+    results = bench.timed_in_rounds(measures, 3, after_round=lambda r: after.append([list(x) for x in r]))
+    assert order == list("abccbaabc")  # no measure always first, none always after the same one
+    assert results == [[10.0, 60.0, 70.0], [20.0, 50.0, 80.0], [30.0, 40.0, 90.0]]
+    assert [len(r[0]) for r in after] == [1, 2, 3] and after[-1] == results
+    assert bench.timed_in_rounds(measures[:1], 1) == [[100.0]]  # one round: one pass in order
+    with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
+        bench.timed_in_rounds(measures, 0)
+
+
+@pytest.mark.parametrize("script_name", ["bench", "bench_variants"])
+def test_the_benchmarks_reject_fewer_than_one_round(script_name, monkeypatch, capsys):
+    script = load_script("slice_widths").bench if script_name == "bench" else load_script(script_name)
+    monkeypatch.setattr("sys.argv", [f"{script_name}.py", "--rounds", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        script.main()
+    assert exit_info.value.code == 2 and "--rounds: expected at least 1, got 0" in capsys.readouterr().err
+
+
 def test_cold_calls_run_each_on_its_own_copy_of_state_input_and_output():
     bench = load_script("slice_widths").bench
     import torch
