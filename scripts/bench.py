@@ -53,9 +53,10 @@ from flash_compress.plan_rows import CHUNK_SIZE  # noqa: E402
 class Row:
     case: str
     impl: str
-    us: float
+    us: float  # the median over rounds
     gbps: float
     pct_copy: float
+    us_rounds: list[float]  # each round's time, in the order of the rounds
 
 
 def median_ms(fn, iters: int = 50, warmup: int = 5, before=None) -> float:
@@ -323,7 +324,8 @@ def run(args) -> list[Row]:
         """Times a case's rows in ``args.rounds`` rounds (``timed_in_rounds``); a row per timing, its median."""
         for t, ms in zip(timings, timed_in_rounds([t.measure for t in timings], args.rounds)):
             gbps = t.traffic.bytes(t.state_dtype) / (statistics.median(ms) * 1e-3) / 1e9
-            rows.append(Row(t.case, t.impl, statistics.median(ms) * 1e3, gbps, 100 * gbps / ceiling))
+            rows.append(Row(t.case, t.impl, statistics.median(ms) * 1e3, gbps, 100 * gbps / ceiling,
+                            [round(x * 1e3, 3) for x in ms]))
 
     prefill_cases = PREFILL_CASES if not args.quick else PREFILL_CASES[:1] + PREFILL_CASES[2:3]
     for name, batch, extend, random_prefix, singles in prefill_cases:
@@ -496,9 +498,12 @@ def main() -> int:
     for head_dim in args.head_dim:
         rows, ceiling = run(argparse.Namespace(**{**vars(args), "head_dim": head_dim}))
         tables[head_dim] = [asdict(r) for r in rows]
-        print(f"\nhead_dim {head_dim}\n{'case':34} {'impl':28} {'us':>10} {'GB/s':>8} {'% copy':>7}")
+        spread = args.rounds > 1  # each row's fastest and slowest round beside the median
+        print(f"\nhead_dim {head_dim}\n{'case':34} {'impl':28} {'us':>10} {'GB/s':>8} {'% copy':>7}"
+              + (f" {'rounds min-max':>17}" if spread else ""))
         for r in rows:
-            print(f"{r.case:34} {r.impl:28} {r.us:10.2f} {r.gbps:8.0f} {r.pct_copy:6.1f}%")
+            print(f"{r.case:34} {r.impl:28} {r.us:10.2f} {r.gbps:8.0f} {r.pct_copy:6.1f}%"
+                  + (f" {min(r.us_rounds):8.2f}-{max(r.us_rounds):.2f}" if spread else ""))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_planner import planner_rows
 
