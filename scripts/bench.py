@@ -309,6 +309,19 @@ class Timing:
     state_dtype: torch.dtype = torch.float32
 
 
+def timed_rows(timings: list[Timing], rounds: int, ceiling_gbps: float) -> list[Row]:
+    """A case's rows, timed in ``rounds`` rounds (``timed_in_rounds``): each timing's median over the
+    rounds, its rate (the bytes its traffic moves at its state dtype) and that rate's share of the copy
+    ceiling, and every round's time."""
+    rows = []
+    for t, ms in zip(timings, timed_in_rounds([t.measure for t in timings], rounds)):
+        median = statistics.median(ms)
+        gbps = t.traffic.bytes(t.state_dtype) / (median * 1e-3) / 1e9
+        rows.append(Row(t.case, t.impl, median * 1e3, gbps, 100 * gbps / ceiling_gbps,
+                        [round(x * 1e3, 3) for x in ms]))
+    return rows
+
+
 def run(args) -> list[Row]:
     head_dim = args.head_dim
     impls = implementations(args)
@@ -321,11 +334,7 @@ def run(args) -> list[Row]:
     rows: list[Row] = []
 
     def time_case(timings: list[Timing]) -> None:
-        """Times a case's rows in ``args.rounds`` rounds (``timed_in_rounds``); a row per timing, its median."""
-        for t, ms in zip(timings, timed_in_rounds([t.measure for t in timings], args.rounds)):
-            gbps = t.traffic.bytes(t.state_dtype) / (statistics.median(ms) * 1e-3) / 1e9
-            rows.append(Row(t.case, t.impl, statistics.median(ms) * 1e3, gbps, 100 * gbps / ceiling,
-                            [round(x * 1e3, 3) for x in ms]))
+        rows.extend(timed_rows(timings, args.rounds, ceiling))
 
     prefill_cases = PREFILL_CASES if not args.quick else PREFILL_CASES[:1] + PREFILL_CASES[2:3]
     for name, batch, extend, random_prefix, singles in prefill_cases:

@@ -205,6 +205,22 @@ def test_rounds_take_the_measures_forwards_then_backwards_and_keep_each_ones_res
         bench.timed_in_rounds(measures, 0)
 
 
+def test_a_cases_rows_report_each_timings_median_rate_and_rounds():
+    """bench.py's rows: the median over rounds, the rate of the bytes the row's state dtype moves."""
+    torch = pytest.importorskip("torch")
+    bench = load_script("slice_widths").bench
+    times = {"float32": iter([0.004, 0.001, 0.002]), "bf16": iter([0.001, 0.003, 0.001])}  # ms, by round
+    traffic = bench.Traffic(float_bytes=10**6, state_values=500_000)  # 3 MB in float32, 2 MB in bfloat16
+    timings = [bench.Timing("case", "float32", lambda: next(times["float32"]), traffic),
+               bench.Timing("case", "bf16", lambda: next(times["bf16"]), traffic, torch.bfloat16)]
+    f32, bf16 = bench.timed_rows(timings, 3, ceiling_gbps=1000.0)
+    assert (f32.case, f32.impl, bf16.impl) == ("case", "float32", "bf16")
+    assert f32.us == pytest.approx(2.0) and f32.us_rounds == [4.0, 1.0, 2.0]
+    assert f32.gbps == pytest.approx(1500.0) and f32.pct_copy == pytest.approx(150.0)  # 3 MB in 2 us
+    assert bf16.us == pytest.approx(1.0) and bf16.us_rounds == [1.0, 3.0, 1.0]
+    assert bf16.gbps == pytest.approx(2000.0)  # 2 MB in 1 us
+
+
 @pytest.mark.parametrize("script_name", ["bench", "bench_variants"])
 def test_the_benchmarks_reject_fewer_than_one_round(script_name, monkeypatch, capsys):
     script = load_script("slice_widths").bench if script_name == "bench" else load_script(script_name)
