@@ -459,6 +459,25 @@ def test_debug_mode_leaves_wrong_shapes_to_the_checks_that_name_them(debug_mode)
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_verify_then_commit_take_a_head_dim_no_variant_builds(dtype):
+    """On the CPU both halves of a speculative step run the reference, so commit takes whatever head dim
+    verify took (32 here, under the compiled variants' 64): each slot gets its accepted prefix's state."""
+    d = 32
+    gen = torch.Generator().manual_seed(5)
+    buf = torch.randn(4, 1, 3 * d, generator=gen).to(dtype)
+    ape = torch.randn(CHUNK_SIZE, d, generator=gen)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    inp = torch.randn(6, 2 * d, generator=gen)
+    _, prefix = fc.verify(buf, inp, ape, i32(1, 3), i32(200, 7))
+    before = buf.clone()
+    fc.commit(buf, prefix, i32(1, 3), i32(2, 3))  # request 0 keeps 2 of its 3 tokens, request 1 all 3
+    assert torch.equal(buf[1, 0], prefix[1]) and torch.equal(buf[3, 0], prefix[5])
+    assert torch.equal(buf[[0, 2]], before[[0, 2]])
+    with pytest.raises(ValueError, match=r"argument 'kv_score_buffer': expected shape \[slots, 1, 3\*D\], got"):
+        fc.commit(torch.zeros(4, 1, 3 * d + 1, dtype=dtype), prefix, i32(1, 3), i32(2, 3))
+
+
 def test_errors_name_the_argument():
     buf, ape, gen = state_pool()
     inp = torch.randn(1, 2 * D, generator=gen)

@@ -291,7 +291,10 @@ def commit_into(
     except (AttributeError, IndexError):
         raise _not_tensor(kv_score_buffer=kv_score_buffer) from None
     head_dim = width // 3
-    if width % 3 or not is_supported_head_dim(head_dim):
+    if width % 3:
+        raise ValueError(f"argument 'kv_score_buffer': expected shape [slots, 1, 3*D], got {list(kv_score_buffer.shape)}")
+    # Only a compiled variant needs a supported head dim: the CPU reference commits any D, as it verifies any.
+    if getattr(kv_score_buffer, "is_cuda", False) and not is_supported_head_dim(head_dim):
         raise ValueError(f"argument 'kv_score_buffer': expected shape [slots, 1, 3*D] with D a multiple of 64 in "
                          f"[64, 1024], got {list(kv_score_buffer.shape)}")
     module = _variant(kv_score_buffer, head_dim, use_pdl)
