@@ -92,6 +92,23 @@ def test_planner_accepts_pinned_host_tensors(module):
 
 
 @pytest.mark.nvcc
+@pytest.mark.parametrize("pinned_names", [("extend_lens",), ("seq_lens", "write_plan"), ("compress_plan",)],
+                         ids="+".join)
+def test_planner_takes_pinned_and_plain_host_tensors_mixed(module, pinned_names):
+    """Each length and plan may be pinned or plain on its own (docs/SPEC.md: host tensors, CPU or pinned):
+    an engine pins what it copies asynchronously. The plans come out as the reference writes them."""
+    values = boundary.valid_values()["plan_online_prefill"]
+    mixed = {name: boundary.relabel(v, boundary.DL_CUDA_HOST) if name in pinned_names else v
+             for name, v in values.items()}
+    got = module.plan_online_prefill(*(mixed[a.name] for a in boundary.FUNCTIONS["plan_online_prefill"]))
+    want_plans = boundary.valid_values()["plan_online_prefill"]
+    want = ref.plan_online_prefill(*(want_plans[a.name] for a in boundary.FUNCTIONS["plan_online_prefill"]))
+    assert tuple(int(x) for x in got) == tuple(want)
+    assert torch.equal(values["compress_plan"], want_plans["compress_plan"])
+    assert torch.equal(values["write_plan"], want_plans["write_plan"])
+
+
+@pytest.mark.nvcc
 @pytest.mark.parametrize("case", [c for c in CASES if c.function == "plan_online_prefill" and not c.positional],
                          ids=lambda c: c.id)
 def test_refused_planner_call_writes_nothing(module, case):
