@@ -96,9 +96,11 @@ def test_planner_accepts_pinned_host_tensors(module):
                          ids="+".join)
 def test_planner_takes_pinned_and_plain_host_tensors_mixed(module, pinned_names):
     """Each length and plan may be pinned or plain on its own (docs/SPEC.md: host tensors, CPU or pinned):
-    an engine pins what it copies asynchronously. The plans come out as the reference writes them."""
-    values = boundary.valid_values()["plan_online_prefill"]
-    mixed = {name: boundary.relabel(v, boundary.DL_CUDA_HOST) if name in pinned_names else v
+    an engine pins what it copies asynchronously. The plans come out as the reference writes them. With a
+    GPU the pinned ones are torch's own pinned tensors; without, relabelled host memory stands in."""
+    values = {name: v.pin_memory() if REAL_GPU and name in pinned_names else v
+              for name, v in boundary.valid_values()["plan_online_prefill"].items()}
+    mixed = {name: boundary.relabel(v, boundary.DL_CUDA_HOST) if name in pinned_names and not REAL_GPU else v
              for name, v in values.items()}
     got = module.plan_online_prefill(*(mixed[a.name] for a in boundary.FUNCTIONS["plan_online_prefill"]))
     want_plans = boundary.valid_values()["plan_online_prefill"]
