@@ -453,3 +453,16 @@ def test_reference_refuses_tensors_on_another_device(function, name):
     values[name] = values[name].to("meta")
     with pytest.raises(ValueError, match=f"argument '{name}': expected device cpu like kv_score_buffer, got meta"):
         getattr(ref, function)(*(values[a.name] for a in boundary.FUNCTIONS[function]))
+
+
+@pytest.mark.parametrize("name", ["compress_plan", "write_plan"])
+def test_reference_planner_keeps_plans_of_host_lengths_on_the_host(name):
+    """As the compiled host planner: a plan on another device (meta standing in for CUDA) is refused by name,
+    and neither plan is written."""
+    values = boundary.valid_values()["plan_online_prefill"]
+    values[name] = values[name].to("meta")
+    other = "write_plan" if name == "compress_plan" else "compress_plan"
+    before = values[other].clone()
+    with pytest.raises(ValueError, match=f"argument '{name}': expected a host \\(CPU or pinned\\) tensor, got device meta"):
+        ref.plan_online_prefill(*(values[a.name] for a in boundary.FUNCTIONS["plan_online_prefill"]))
+    assert torch.equal(values[other], before)

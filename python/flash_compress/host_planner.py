@@ -141,6 +141,8 @@ def plan_online_prefill(
     check_plan_tensor(compress_plan, "compress_plan")
     check_plan_tensor(write_plan, "write_plan")
     for plan, name in ((compress_plan, "compress_plan"), (write_plan, "write_plan")):
+        if plan.device.type != "cpu":  # as the compiled host planner: plans of host lengths stay on the host
+            raise ValueError(f"argument '{name}': expected a host (CPU or pinned) tensor, got device {plan.device}")
         if not plan.is_contiguous():
             raise ValueError(f"argument '{name}': expected a contiguous tensor")
     if write_plan.shape[0] != compress_plan.shape[0]:
