@@ -466,3 +466,16 @@ def test_reference_planner_keeps_plans_of_host_lengths_on_the_host(name):
     with pytest.raises(ValueError, match=f"argument '{name}': expected a host \\(CPU or pinned\\) tensor, got device meta"):
         ref.plan_online_prefill(*(values[a.name] for a in boundary.FUNCTIONS["plan_online_prefill"]))
     assert torch.equal(values[other], before)
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("name", ["extend_lens", "seq_lens"])
+def test_both_host_planners_refuse_strided_lengths(module, name):
+    """Lengths are contiguous [B] tensors (docs/SPEC.md section 2) for the compiled host planner and the
+    reference alike: every other element of a longer tensor is refused by name."""
+    values = boundary.valid_values()["plan_online_prefill"]
+    values[name] = values[name].repeat_interleave(2)[::2]
+    assert not values[name].is_contiguous()
+    for planner in (module, ref):
+        with pytest.raises(ValueError, match=f"argument '{name}'.*contiguous"):
+            planner.plan_online_prefill(*(values[a.name] for a in boundary.FUNCTIONS["plan_online_prefill"]))

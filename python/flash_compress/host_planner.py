@@ -79,6 +79,8 @@ def _host_lengths(lengths: object, name: str) -> list[int]:
         raise TypeError(f"argument '{name}': expected dtype int64, got {lengths.dtype}")
     if lengths.device.type != "cpu":
         raise ValueError(f"argument '{name}': expected a host (CPU or pinned) tensor, got device {lengths.device}")
+    if not lengths.is_contiguous():
+        raise ValueError(f"argument '{name}': expected a contiguous tensor, got strides {list(lengths.stride())}")
     return [int(x) for x in lengths.tolist()]
 
 
