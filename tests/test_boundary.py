@@ -78,26 +78,13 @@ def test_valid_baseline_passes_every_check(function, state_dtype):
 
 
 @pytest.mark.nvcc
-def test_planner_accepts_pinned_host_tensors(module):
-    """cuda_host (pinned) lengths and plans are as good as CPU ones; relabelled host memory stands in for them."""
-    values = boundary.valid_values()["plan_online_prefill"]
-    pinned = {name: boundary.relabel(v, boundary.DL_CUDA_HOST) if isinstance(v, torch.Tensor) else v
-              for name, v in values.items()}
-    got = module.plan_online_prefill(*(pinned[a.name] for a in boundary.FUNCTIONS["plan_online_prefill"]))
-    want_plans = boundary.valid_values()["plan_online_prefill"]
-    want = ref.plan_online_prefill(*(want_plans[a.name] for a in boundary.FUNCTIONS["plan_online_prefill"]))
-    assert tuple(int(x) for x in got) == tuple(want)
-    assert torch.equal(values["compress_plan"], want_plans["compress_plan"])
-    assert torch.equal(values["write_plan"], want_plans["write_plan"])
-
-
-@pytest.mark.nvcc
-@pytest.mark.parametrize("pinned_names", [("extend_lens",), ("seq_lens", "write_plan"), ("compress_plan",)],
-                         ids="+".join)
-def test_planner_takes_pinned_and_plain_host_tensors_mixed(module, pinned_names):
-    """Each length and plan may be pinned or plain on its own (docs/SPEC.md: host tensors, CPU or pinned):
-    an engine pins what it copies asynchronously. The plans come out as the reference writes them. With a
-    GPU the pinned ones are torch's own pinned tensors; without, relabelled host memory stands in."""
+@pytest.mark.parametrize("pinned_names", [("extend_lens", "seq_lens", "compress_plan", "write_plan"), ("extend_lens",),
+                                          ("seq_lens", "write_plan"), ("compress_plan",)], ids="+".join)
+def test_planner_takes_pinned_host_tensors_alone_or_mixed(module, pinned_names):
+    """cuda_host (pinned) lengths and plans are as good as CPU ones, and each may be pinned or plain on its
+    own (docs/SPEC.md: host tensors, CPU or pinned): an engine pins what it copies asynchronously. The plans
+    come out as the reference writes them. With a GPU the pinned ones are torch's own pinned tensors;
+    without, relabelled host memory stands in."""
     values = {name: v.pin_memory() if REAL_GPU and name in pinned_names else v
               for name, v in boundary.valid_values()["plan_online_prefill"].items()}
     mixed = {name: boundary.relabel(v, boundary.DL_CUDA_HOST) if name in pinned_names and not REAL_GPU else v
