@@ -1,8 +1,10 @@
 """Time edited copies of the kernel header against the tree (and the reference design) in one process.
 
-    python scripts/bench_variants.py [--reference SEED] [--rounds 5] [--decode-only] [--state-dtype bfloat16]
-                                     [--per-pass] [--prefill-only] [--shapes] [--check | --check-close]
-                                     [--decode-batches B ...] [--both-dtypes] NAME=PATH ...
+    python scripts/bench_variants.py NAME=PATH ... [--reference SEED] [--rounds 5] [--decode-only]
+                                     [--state-dtype bfloat16] [--per-pass] [--prefill-only] [--shapes]
+                                     [--check | --check-close] [--both-dtypes] [--decode-batches B ...]
+
+(``--decode-batches`` takes every word after it, so the variants go before it.)
 
 Each NAME=PATH is a variant of the kernel sources, built as its own JIT variant
 with the tree's build spec (exports, template values). PATH is either a folder
