@@ -72,13 +72,18 @@ def check_lengths(lengths: object, name: str) -> None:
         raise ValueError(f"argument '{name}': expected a 1-D tensor [B], got shape {list(lengths.shape)}")
 
 
+def _check_on_host(tensor: torch.Tensor, name: str) -> None:
+    """ValueError naming argument ``name`` unless ``tensor`` is in host memory (torch's "cpu": plain or pinned)."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"argument '{name}': expected a host (CPU or pinned) tensor, got device {tensor.device}")
+
+
 def _host_lengths(lengths: object, name: str) -> list[int]:
     """The values of a ``[B]`` int64 host tensor, checked as the compiled host planner checks it."""
     check_lengths(lengths, name)
     if lengths.dtype != torch.int64:
         raise TypeError(f"argument '{name}': expected dtype int64, got {lengths.dtype}")
-    if lengths.device.type != "cpu":
-        raise ValueError(f"argument '{name}': expected a host (CPU or pinned) tensor, got device {lengths.device}")
+    _check_on_host(lengths, name)
     if not lengths.is_contiguous():
         raise ValueError(f"argument '{name}': expected a contiguous tensor, got strides {list(lengths.stride())}")
     return [int(x) for x in lengths.tolist()]
@@ -143,8 +148,7 @@ def plan_online_prefill(
     check_plan_tensor(compress_plan, "compress_plan")
     check_plan_tensor(write_plan, "write_plan")
     for plan, name in ((compress_plan, "compress_plan"), (write_plan, "write_plan")):
-        if plan.device.type != "cpu":  # as the compiled host planner: plans of host lengths stay on the host
-            raise ValueError(f"argument '{name}': expected a host (CPU or pinned) tensor, got device {plan.device}")
+        _check_on_host(plan, name)  # as the compiled host planner: plans of host lengths stay on the host
         if not plan.is_contiguous():
             raise ValueError(f"argument '{name}': expected a contiguous tensor")
     if write_plan.shape[0] != compress_plan.shape[0]:
