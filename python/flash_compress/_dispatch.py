@@ -8,8 +8,9 @@ checks (dtypes, shapes, devices, contiguity, alignment) is left to it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -100,6 +101,17 @@ def _raise_if_not_tensors(names: tuple[str, ...], arguments: dict[str, Any]) -> 
         value = arguments[name]
         if not isinstance(value, torch.Tensor) and not (value is None and name == "load_indices"):
             raise _not_tensor(**{name: value}) from None
+
+
+@contextlib.contextmanager
+def _naming_non_tensors(names: tuple[str, ...], arguments: dict[str, Any]) -> Iterator[None]:
+    """Around an export's call: a TypeError it raises becomes ``_raise_if_not_tensors``'s, where that names
+    an argument."""
+    try:
+        yield
+    except TypeError:
+        _raise_if_not_tensors(names, arguments)
+        raise
 
 
 def new_output(kv_score_input: torch.Tensor, ape: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
@@ -225,11 +237,8 @@ def decode_into(
         # request (B = 0) it checks and returns without a launch.
         module.run_decode(kv_score_buffer, kv_score_input[:0], out[:0], ape, indices[:0], seq_lens[:0], None)
         indices = relocate_states(kv_score_buffer, indices, load_indices, seq_lens)
-    try:
+    with _naming_non_tensors(_DECODE_NAMES, locals()):
         module.run_decode(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, None)
-    except TypeError:
-        _raise_if_not_tensors(_DECODE_NAMES, locals())
-        raise
 
 
 def prefill_into(
@@ -250,11 +259,8 @@ def prefill_into(
     if _debug.enabled():
         _debug.check_prefill(kv_score_buffer, kv_score_input, indices, compress_plan, write_plan, load_indices)
     run = module.run_prefill_compact if compact else module.run_prefill
-    try:
+    with _naming_non_tensors(_PREFILL_NAMES, locals()):
         run(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan, load_indices)
-    except TypeError:
-        _raise_if_not_tensors(_PREFILL_NAMES, locals())
-        raise
 
 
 def verify_into(
@@ -271,11 +277,8 @@ def verify_into(
     module = _compiled(kv_score_buffer, ape, use_pdl)
     if _debug.enabled():
         _debug.check_verify(kv_score_buffer, kv_score_input, indices, seq_lens)
-    try:
+    with _naming_non_tensors(_VERIFY_NAMES, locals()):
         module.run_verify(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, prefix_states)
-    except TypeError:
-        _raise_if_not_tensors(_VERIFY_NAMES, locals())
-        raise
 
 
 def commit_into(
@@ -300,8 +303,5 @@ def commit_into(
     module = _variant(kv_score_buffer, head_dim, use_pdl)
     if _debug.enabled():
         _debug.check_commit(kv_score_buffer, prefix_states, indices, accept_lens)
-    try:
+    with _naming_non_tensors(_COMMIT_NAMES, locals()):
         module.run_commit(kv_score_buffer, prefix_states, indices, accept_lens)
-    except TypeError:
-        _raise_if_not_tensors(_COMMIT_NAMES, locals())
-        raise
