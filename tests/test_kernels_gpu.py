@@ -16,8 +16,9 @@ import torch
 from flash_compress import reference as ref
 from flash_compress.c128_online import HEAD_DIMS_TESTED
 from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
-from schedule import (ScheduleHarness, graph_plan_passes, plan_with, prefill_pass, rows_for_slice_width,
-                      run_schedule, slice_widths)
+import oracle
+from schedule import (ScheduleHarness, bf16_state_flips, bits, graph_plan_passes, plan_with, prefill_pass,
+                      rows_for_slice_width, run_schedule, slice_widths)
 
 pytestmark = pytest.mark.gpu
 
@@ -251,3 +252,57 @@ def test_compress_only_plan_leaves_buffer_alone(gpu, use_pdl):
     h.prefill_step([(request, 56, h.free_slots[0])], use_cuda_graph=True)  # reads old slot, closes chunk 1
     counts, _, _ = plan_with(module, [56], [256], False)
     assert counts == (1, 0)
+
+
+@pytest.mark.parametrize(("head_dim", "cuda_graph", "state_dtype"),
+                         [(512, False, "float32"), (512, False, "bfloat16"), (512, True, "bfloat16"),
+                          (128, True, "float32")])
+def test_one_token_rows_stored_by_the_compress_pass(gpu, head_dim, cuda_graph, state_dtype):
+    """1 x 8132 + 255 x 1, without ``load_indices``: where the write pass would not start beside the compress
+    pass (asserted through the width rule's mirror), the compress pass stores the one-token write rows that
+    start mid-chunk (``absorbed_by_compress_pass``). Among them: request 1 shares request 0's slot, which
+    request 0's first compress row reads (from position 60), so the write pass must store it after that
+    read; request 2 names a slot outside the pool; some start a chunk or close one, which the write pass
+    keeps. Outputs poisoned, against the reference on the same data, untouched slots checked bitwise."""
+    module = kernels(head_dim, True, state_dtype)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator().manual_seed(head_dim + 2 * cuda_graph)
+    requests, slots = 256, 264
+    positions = torch.randint(1, CHUNK_SIZE - 1, (requests,), generator=gen)  # one token mid-chunk
+    positions[3], positions[4], positions[5] = 0, CHUNK_SIZE - 1, CHUNK_SIZE - 1  # starts a chunk; closes one
+    seq_lens = [64 * CHUNK_SIZE] + [int(CHUNK_SIZE * torch.randint(0, 40, ()) + p + 1) for p in positions[1:]]
+    extend_lens = [64 * CHUNK_SIZE - 60] + [1] * (requests - 1)
+    counts, compress_plan, write_plan = plan_with(module, extend_lens, seq_lens, cuda_graph)
+    if cuda_graph:
+        compress, write = graph_plan_passes(extend_lens, head_dim, sms)
+    else:
+        compress = prefill_pass(counts[0], head_dim, sms)
+        write = prefill_pass(counts[1], head_dim, sms, beside=compress, write_pass=True)
+        compress_plan, write_plan = compress_plan[: counts[0]], write_plan[: counts[1]]
+    assert compress[1] + write[1] > 8 * sms, "the write pass would start beside the compress pass"
+    dtype = getattr(torch, state_dtype)
+    state = torch.randn(slots, 1, 3, head_dim, generator=gen)
+    state[:, :, 1] = state[:, :, 1].abs() + 0.5  # sums of exponentials
+    state = state.view(slots, 1, 3 * head_dim).to(dtype).cuda()
+    indices = torch.randperm(slots, generator=gen)[:requests].to(torch.int32)
+    indices[1], indices[2] = indices[0], slots
+    tokens = torch.randn(sum(extend_lens), 2 * head_dim, generator=gen).cuda()
+    ape = torch.randn(CHUNK_SIZE, head_dim, generator=gen).cuda()
+    out = torch.full((tokens.shape[0], head_dim), float("nan"), device="cuda")
+    want_state, want_out = state.clone(), out.clone()
+    indices, compress_plan, write_plan = indices.cuda(), compress_plan.cuda(), write_plan.cuda()
+    module.run_prefill(state, tokens, out, ape, indices, compress_plan, write_plan, None)
+    ref.run_prefill(want_state, tokens, want_out, ape, indices, compress_plan, write_plan, None)
+    torch.cuda.synchronize()
+    written = ~torch.isnan(want_out[:, 0])
+    assert int(written.sum()) == 64 + 2 and torch.isnan(out[~written]).all()
+    oracle.assert_rows_close(out[written], want_out[written], "compressed rows")
+    stored = set(indices[1:].tolist()) - {indices[4].item(), indices[5].item(), slots}
+    assert len(stored) == requests - 4
+    for slot in range(slots):
+        if slot not in stored:
+            assert torch.equal(bits(state[slot]), bits(want_state[slot])), f"slot {slot} must stay untouched"
+        elif dtype == torch.bfloat16:
+            bf16_state_flips(state[slot, 0], want_state[slot, 0], f"slot {slot}")
+        else:
+            oracle.assert_rows_close(state[slot, 0].view(3, -1), want_state[slot, 0].view(3, -1), f"slot {slot}")
