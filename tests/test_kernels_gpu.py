@@ -257,13 +257,13 @@ def test_compress_only_plan_leaves_buffer_alone(gpu, use_pdl):
 @pytest.mark.parametrize(("head_dim", "cuda_graph", "state_dtype"),
                          [(512, False, "float32"), (512, False, "bfloat16"), (512, True, "bfloat16"),
                           (128, True, "float32")])
-def test_one_token_rows_stored_by_the_compress_pass(gpu, head_dim, cuda_graph, state_dtype):
-    """1 x 8132 + 255 x 1, without ``load_indices``: where the write pass would not start beside the compress
-    pass (asserted through the width rule's mirror), the compress pass stores the one-token write rows that
-    start mid-chunk (``absorbed_by_compress_pass``). Among them: request 1 shares request 0's slot, which
-    request 0's first compress row reads (from position 60), so the write pass must store it after that
-    read; request 2 names a slot outside the pool; some start a chunk or close one, which the write pass
-    keeps. Outputs poisoned, against the reference on the same data, untouched slots checked bitwise."""
+def test_one_token_rows_beside_a_request_that_reads_their_slot(gpu, head_dim, cuda_graph, state_dtype):
+    """1 x 8132 + 255 x 1 without ``load_indices``, where the write pass would not start beside the compress
+    pass (asserted through the width rule's mirror): the shape that docs/PERF_LOG.md's one-token-rows
+    forms move into the compress pass. Request 1 names request 0's slot, which request 0's first compress
+    row reads (from position 60) and request 1's one-token write row stores: the store must follow the read.
+    Request 2 names a slot outside the pool; requests 3 to 5 start or close a chunk. Outputs poisoned,
+    against the reference on the same data, untouched slots checked bitwise."""
     module = kernels(head_dim, True, state_dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator().manual_seed(head_dim + 2 * cuda_graph)
