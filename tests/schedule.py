@@ -162,6 +162,20 @@ def bf16_state_flips(got: torch.Tensor, want: torch.Tensor, what: str) -> int:
     return int(differ.sum())
 
 
+def check_state_against(got: torch.Tensor, want: torch.Tensor, what: str) -> int:
+    """A stored ``[3D]`` state against another implementation's on the same data (a float32 or bfloat16 pool
+    of the same dtype): float32 to float32 rounding (:data:`oracle.FLOAT32`), bf16 bitwise but for flips
+    (:func:`bf16_state_flips`); returns the flips."""
+    got, want = got.detach().to("cpu"), want.detach().to("cpu")
+    if got.dtype == torch.bfloat16:
+        return bf16_state_flips(got, want, what)
+    d = got.numel() // 3
+    want64 = want.to(torch.float64)
+    state = oracle.PartialState(max=want64[:d], sum=want64[d : 2 * d], kv=want64[2 * d :])
+    oracle.assert_state_close(got, state, what, tol=oracle.FLOAT32)
+    return 0
+
+
 #: Channel slice widths a prefill pass may run with, widest first (``kSliceDims`` in ``c128_slice_width.cuh``),
 #: where the pass may run them (:func:`slice_widths`).
 SLICE_WIDTHS = (128, 64, 32, 16, 8)
@@ -608,15 +622,8 @@ class ScheduleHarness:
         oracle.assert_rows_close(rows[live], shadow_rows[live], what, rtol=SHADOW_ROW_RTOL)
 
     def _check_shadow_state(self, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-        """One stored ``[3D]`` state against the shadow's: float32 to float32 rounding, bf16 bitwise but for flips."""
-        got = got.detach().to("cpu")
-        if self.state_dtype == torch.bfloat16:
-            self.stats.shadow_flips += bf16_state_flips(got, want, what)
-        else:
-            d = self.head_dim
-            want64 = want.to(torch.float64)
-            state = oracle.PartialState(max=want64[:d], sum=want64[d : 2 * d], kv=want64[2 * d :])
-            oracle.assert_state_close(got, state, what, tol=oracle.FLOAT32)
+        """One stored ``[3D]`` state against the shadow's (:func:`check_state_against`)."""
+        self.stats.shadow_flips += check_state_against(got, want, what)
         self.stats.shadow_state_elements += got.numel()
 
     def check_shadow_flip_rate(self) -> None:
