@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["check_apart", "check_flag"]
+__all__ = ["check_apart", "check_contiguous", "check_flag"]
 
 
 def check_flag(value: object, name: str) -> bool:
@@ -25,6 +25,13 @@ def check_flag(value: object, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"argument '{name}': expected a bool, got {type(value).__name__}")
     return bool(value)
+
+
+def check_contiguous(tensor: torch.Tensor, name: str) -> None:
+    """ValueError naming argument ``name`` unless ``tensor`` is contiguous, worded as the compiled exports word it."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"argument '{name}': expected a contiguous tensor, "
+                         f"got a non-contiguous view with strides {list(tensor.stride())}")
 
 
 def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from . import _debug
-from ._arguments import check_apart
+from ._arguments import check_apart, check_contiguous
 from .c128_online import STATE_DTYPES, is_supported_head_dim, load_module, load_planner
 from .jit import JitDisabledError
 from .plan_rows import CHUNK_SIZE
@@ -147,8 +147,7 @@ def _check_move_arguments(kv_score_buffer: torch.Tensor, kv_score_input: torch.T
         if not t.is_cuda:
             continue  # the reference, which takes any layout
         # The export's dry call sees these tensors with no rows, and an empty view passes any layout check.
-        if not t.is_contiguous():
-            raise ValueError(f"argument '{name}': expected a contiguous tensor, got a non-contiguous view")
+        check_contiguous(t, name)
         if t.data_ptr() % 16:
             raise ValueError(f"argument '{name}': expected data aligned to 16 bytes, "
                              f"got a pointer offset by {t.data_ptr() % 16} bytes")

@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from ._arguments import check_apart
+from ._arguments import check_apart, check_contiguous
 from .plan_rows import CHUNK_SIZE, MAX_LENGTH, PADDING_BYTE, ROW_BYTES, check_plan_tensor, encode_rows
 
 __all__ = ["check_lengths", "plan_online_prefill", "plan_segments", "plan_tensors", "planned_tokens"]
@@ -84,8 +84,7 @@ def _host_lengths(lengths: object, name: str) -> list[int]:
     if lengths.dtype != torch.int64:
         raise TypeError(f"argument '{name}': expected dtype int64, got {lengths.dtype}")
     _check_on_host(lengths, name)
-    if not lengths.is_contiguous():
-        raise ValueError(f"argument '{name}': expected a contiguous tensor, got strides {list(lengths.stride())}")
+    check_contiguous(lengths, name)
     return [int(x) for x in lengths.tolist()]
 
 
@@ -149,8 +148,7 @@ def plan_online_prefill(
     check_plan_tensor(write_plan, "write_plan")
     for plan, name in ((compress_plan, "compress_plan"), (write_plan, "write_plan")):
         _check_on_host(plan, name)  # as the compiled host planner: plans of host lengths stay on the host
-        if not plan.is_contiguous():
-            raise ValueError(f"argument '{name}': expected a contiguous tensor")
+        check_contiguous(plan, name)
     if write_plan.shape[0] != compress_plan.shape[0]:
         raise ValueError(
             f"argument 'write_plan': expected {compress_plan.shape[0]} rows like compress_plan, "
