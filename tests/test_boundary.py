@@ -456,13 +456,20 @@ def test_reference_planner_keeps_plans_of_host_lengths_on_the_host(name):
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("name", ["extend_lens", "seq_lens"])
-def test_both_host_planners_refuse_strided_lengths(module, name):
-    """Lengths are contiguous [B] tensors (docs/SPEC.md section 2) for the compiled host planner and the
-    reference alike: every other element of a longer tensor is refused by name."""
+@pytest.mark.parametrize("name", ["extend_lens", "seq_lens", "compress_plan", "write_plan"])
+def test_both_host_planners_refuse_strided_tensors(module, name):
+    """Lengths and plans are contiguous tensors (docs/SPEC.md section 2) for the compiled host planner and
+    the reference alike: every other element (lengths) or the first 16 bytes of 32-byte rows (plans) are
+    refused by name, in the same words."""
     values = boundary.valid_values()["plan_online_prefill"]
-    values[name] = values[name].repeat_interleave(2)[::2]
+    if values[name].dim() == 1:
+        values[name] = values[name].repeat_interleave(2)[::2]
+    else:
+        values[name] = values[name].repeat(1, 2)[:, :values[name].shape[1]]
     assert not values[name].is_contiguous()
+    messages = []
     for planner in (module, ref):
-        with pytest.raises(ValueError, match=f"argument '{name}'.*contiguous"):
+        with pytest.raises(ValueError, match=f"argument '{name}'.*contiguous") as raised:
             planner.plan_online_prefill(*(values[a.name] for a in boundary.FUNCTIONS["plan_online_prefill"]))
+        messages.append(str(raised.value))
+    assert messages[0] == messages[1]

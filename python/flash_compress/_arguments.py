@@ -1,4 +1,4 @@
-"""Argument checks that the reference and the torch API share: flags, and memory shared with what a call writes.
+"""Argument checks that the reference and the torch API share: flags, layout, and memory shared with what a call writes.
 
 Memory: the compiled exports (``include/sgl_kernel/tensor.h``, ``verify_apart``)
 refuse two arguments whose bytes overlap when the call writes either; their
