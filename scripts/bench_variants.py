@@ -34,7 +34,8 @@ with exact and padded plans, twice in a row, plus a case that reads its prior
 states from other slots through ``load_indices``; decode; verify then commit) from the same states
 into NaN-poisoned outputs, and compares states and outputs bit for bit: a
 variant meant to change speed only must match the tree exactly. It exits 1 on
-any difference. ``--check-close`` accepts, instead, values within a rounding
+any difference, and names where it lies: which results (state, output, prefix
+states), how many of their rows (slots, output rows) and the largest error. ``--check-close`` accepts, instead, values within a rounding
 or so of the tree's (``CLOSE_RTOL``, float32 states) and NaN where the tree's
 are: for a variant that changes which warps sum which tokens (a slice-width
 rule), which reorders a chunk's sums.
@@ -50,7 +51,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -169,28 +170,41 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 CLOSE_RTOL = 1e-5
 
 
-def compare_results(expected: list[torch.Tensor], got: list[torch.Tensor],
-                    rtol: Optional[float] = None) -> tuple[bool, str]:
-    """Whether ``got`` matches ``expected`` (the states and outputs of one case), and the word for it:
-    "identical" bit for bit; with ``rtol``, "close (max err X)" where every value is within
+def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest ``|a - b| / max(|a|, 1)``, ``a`` the tree's: equal values (infinities too) and NaN
+    against NaN (a row both left poisoned) are 0 apart; an infinity or NaN against anything else is
+    infinitely far."""
+    a64, b64 = a.double(), b.double()
+    error = (a64 - b64).abs() / a64.abs().clamp_min(1.0)
+    alike = (a64 == b64) | (a64.isnan() & b64.isnan())
+    error = torch.where(alike, 0.0, error.nan_to_num(nan=float("inf")))
+    return error.max().item() if error.numel() else 0.0
+
+
+def _where_they_differ(expected: list[torch.Tensor], got: list[torch.Tensor], names: Sequence[str]) -> str:
+    """For each result that is not bitwise the tree's: how many of its rows (first dimension: slots,
+    output rows) differ, and the largest error among them; so that a failed check says what to look at."""
+    parts = []
+    for name, a, b in zip(names, expected, got):
+        rows = (_bits(a) != _bits(b)).reshape(a.shape[0], -1).any(dim=1)
+        if rows.any():
+            parts.append(f"{name}: {int(rows.sum())} of {a.shape[0]} rows, max err {_max_error(a, b):.1e}")
+    return "; ".join(parts)
+
+
+def compare_results(expected: list[torch.Tensor], got: list[torch.Tensor], rtol: Optional[float] = None,
+                    names: Sequence[str] = ("state", "out")) -> tuple[bool, str]:
+    """Whether ``got`` matches ``expected`` (the results of one case, named by ``names``), and the word
+    for it: "identical" bit for bit; with ``rtol``, "close (max err X)" where every value is within
     ``rtol * max(|value|, 1)`` of the tree's and NaN (an untouched, poisoned row) exactly where the
-    tree's is; else "DIFFERENT"."""
+    tree's is; else "DIFFERENT (...)", naming the results that differ and in how many rows."""
     if all(torch.equal(_bits(a), _bits(b)) for a, b in zip(expected, got)):
         return True, "identical"
-    if rtol is None:
-        return False, "DIFFERENT"
-    worst = 0.0
-    for a, b in zip(expected, got):
-        a64, b64 = a.double(), b.double()
-        if not torch.equal(a64.isnan(), b64.isnan()):
-            return False, "DIFFERENT"
-        known = ~a64.isnan()
-        a64, b64 = a64[known], b64[known]
-        error = (a64 - b64).abs() / a64.abs().clamp_min(1.0)
-        # Equal values (infinities too) are 0 apart; an infinity against anything else is not close.
-        error = torch.where(a64 == b64, 0.0, error.nan_to_num(nan=float("inf")))
-        worst = max(worst, error.max().item() if error.numel() else 0.0)
-    return (True, f"close (max err {worst:.1e})") if worst <= rtol else (False, f"DIFFERENT (max err {worst:.1e})")
+    different = (False, f"DIFFERENT ({_where_they_differ(expected, got, names)})")
+    if rtol is None or any(not torch.equal(a.isnan(), b.isnan()) for a, b in zip(expected, got)):
+        return different
+    worst = max(_max_error(a, b) for a, b in zip(expected, got))
+    return (True, f"close (max err {worst:.1e})") if worst <= rtol else different
 
 
 def check_variants(impls: dict, head_dim: int, state_dtype: torch.dtype, close: bool = False) -> int:
@@ -201,11 +215,11 @@ def check_variants(impls: dict, head_dim: int, state_dtype: torch.dtype, close: 
     gen = torch.Generator().manual_seed(1)
     differing = 0
 
-    def compare(case: str, run) -> None:
+    def compare(case: str, run, names: Sequence[str] = ("state", "out")) -> None:
         nonlocal differing
         expected = run(impls["tree"])
         for name, m in variants.items():
-            same, word = compare_results(expected, run(m), CLOSE_RTOL if close else None)
+            same, word = compare_results(expected, run(m), CLOSE_RTOL if close else None, names)
             differing += not same
             print(f"check {case:40} {name}: {word}", flush=True)
 
@@ -253,7 +267,7 @@ def check_variants(impls: dict, head_dim: int, state_dtype: torch.dtype, close: 
             torch.cuda.synchronize()
             return state, prefix, out
 
-        compare(f"verify + commit B={batch} T={VERIFY_WINDOW}", run)
+        compare(f"verify + commit B={batch} T={VERIFY_WINDOW}", run, ("state", "prefix_states", "out"))
     return differing
 
 

@@ -329,15 +329,21 @@ def test_bench_variants_check_close_accepts_reordered_sums_only():
     assert compare(tree, [state.clone(), out.clone()]) == (True, "identical")
 
     rounded = [state * (1 + 3e-7), out + 2e-7]  # a reordered sum's few roundings
-    assert compare(tree, rounded) == (False, "DIFFERENT")
+    same, word = compare(tree, rounded)
+    # Every row moved but the poisoned one, which stays NaN; the word says where, and how far.
+    assert not same and re.fullmatch(r"DIFFERENT \(state: 6 of 6 rows, max err \S+; out: 8 of 9 rows, max err \S+\)",
+                                     word), word
     same, word = compare(tree, rounded, 1e-5)
     assert same and word.startswith("close (max err ")
 
-    for bad in ([state, out.nan_to_num(0.0)],                       # a poisoned row written
-                [state, torch.where(out.isnan(), out, out * 1.01)],  # 1% off
-                [state.flip(0), out]):                               # states in other slots
+    for bad, where in (([state, out.nan_to_num(0.0)], "out: 1 of 9 rows, max err inf"),      # a poisoned row written
+                       ([state, torch.where(out.isnan(), out, out * 1.01)], "out: 8 of 9 rows"),  # 1% off
+                       ([state.flip(0), out], "state: 6 of 6 rows")):                      # states in other slots
         same, word = compare(tree, bad, 1e-5)
-        assert not same and word.startswith("DIFFERENT"), word
+        assert not same and word.startswith(f"DIFFERENT ({where}"), word
+    prefix = torch.randn(6, 3 * 64, generator=gen)
+    same, word = compare([state, prefix, out], [state, prefix.flip(0), out], names=("state", "prefix_states", "out"))
+    assert not same and word.startswith("DIFFERENT (prefix_states: 6 of 6 rows"), word
 
 
 def test_bench_shapes_hands_bench_variants_a_state_dtype_per_implementation(monkeypatch):
