@@ -11,8 +11,8 @@ beside it, or must wait for its blocks to finish. The write pass also gets its l
 this draw and the rounds one warp takes for it at the width the pass runs (its real chain, where the
 rule assumes full chunks). The rule is ``choose_slice_width``
 (``csrc/deepseek_v4/c128_slice_width.cuh``) through its Python mirror
-``tests/schedule.py: prefill_pass``, which ``tests/test_headers_nvcc.py`` checks against the
-compiled rule; 8 blocks fit an SM (every prefill kernel sits at its 128-register bound), and an H200
+``tests/schedule.py: prefill_pass`` (an exact plan's two passes as ``exact_plan_passes`` launches
+them), which ``tests/test_headers_nvcc.py`` checks against the compiled rule; 8 blocks fit an SM (every prefill kernel sits at its 128-register bound), and an H200
 has 132 SMs.
 
 ``--graph-plans`` prints instead what each pass picks with CUDA-graph plans (a row per token, live rows
@@ -39,7 +39,7 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "scripts"), str(ROOT / "tests")
 import bench  # noqa: E402
 from flash_compress.c128_online import HEAD_DIMS_TESTED  # noqa: E402
 from flash_compress.host_planner import plan_segments  # noqa: E402
-from schedule import graph_plan_passes, prefill_pass, round_tokens  # noqa: E402
+from schedule import exact_plan_passes, graph_plan_passes, round_tokens  # noqa: E402
 
 #: Prefill blocks (64 threads) an SM, as the host counts them for the width rule (at most
 #: ``PrefillLayout::kMinBlocksPerSM``, whatever more fit) and as prefill_pass does.
@@ -117,15 +117,14 @@ def describe_graph_plans(head_dim: int, sms: int, cases: list[tuple]) -> list[st
 def describe(head_dim: int, sms: int, cases: list[tuple], loads: bool = False) -> list[str]:
     resident = BLOCKS_PER_SM * sms
     lines = [f"head_dim {head_dim}, {resident} resident blocks: rows x slice width, grid, chain"]
-    for name, compress_segments, write_segments, _ in case_segments(cases):
+    for name, compress_segments, write_segments, extends in case_segments(cases):
         compress_rows, write_rows = len(compress_segments), len(write_segments)
         longest = max(write_segments, default=0)
-        compress = prefill_pass(compress_rows, head_dim, sms) if compress_rows else None
+        compress, write = exact_plan_passes(compress_rows, write_rows, extends, head_dim, sms)
         line = f"  {name:<22}"
         if compress:
             line += f" compress {compress_rows} x {compress[0]}: {compress[1]} blocks, chain {compress[2]}"
-        if write_rows:
-            write = prefill_pass(write_rows, head_dim, sms, beside=compress, write_pass=True)
+        if write:
             where = "" if not compress else ", beside" if compress[1] + write[1] <= resident else ", after"
             rounds = -(-longest // round_tokens(write[0]))
             line += (f"  write {write_rows} x {write[0]}: {write[1]} blocks, chain {write[2]}{where}; longest "

@@ -200,7 +200,7 @@ def round_tokens(width: int) -> int:
 
 def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optional[tuple[int, int, int]] = None,
                  padding_rows: int = 0, write_pass: bool = False,
-                 likely_rows: Optional[int] = None) -> tuple[int, int, int]:
+                 likely_rows: Optional[int] = None, leave_half: bool = False) -> tuple[int, int, int]:
     """``(width, grid, chain)`` that ``choose_slice_width`` (``csrc/deepseek_v4/c128_slice_width.cuh``)
     picks for a pass of ``rows`` live rows (``likely_rows`` of them likely live, where a padded plan only
     bounds them; all by default) and ``padding_rows`` CUDA-graph padding rows after them, on
@@ -217,7 +217,8 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
     to the width with the shorter chain for ``likely_rows`` (halved, for 16 or 8 channels against a
     longer-run width, and then only where the likely rows' items fill at most half the warps); a write
     pass beside a compress pass where its grid fits in the slots left free and the two chains side
-    by side take no longer than in turn."""
+    by side take no longer than in turn. ``leave_half`` (a compress pass, :func:`leaves_room_for_write_pass`):
+    the shortest chain among the widths whose grid fills at most half the GPU, where one does."""
     resident = 8 * multiprocessors
     warps = 2 * resident
     likely_rows = rows if likely_rows is None else likely_rows
@@ -247,7 +248,7 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
                 best = (width, blocks, chain, likely_chain, few_likely_items)
         return best
 
-    chosen = shortest(options)
+    chosen = (leave_half and shortest([o for o in options if 2 * o[1] <= resident])) or shortest(options)
     if beside is not None and beside[1] > 0:
         fitting = shortest([o for o in options if o[1] + beside[1] <= resident])
         if fitting is not None and max(fitting[2], beside[2]) <= beside[2] + chosen[2]:
@@ -265,6 +266,27 @@ def pass_rows(write_pass: bool, num_rows: int, num_tokens: int, batch_size: int)
     split = min(num_rows, bound)
     padded = num_rows == num_tokens
     return split, (min(split, -(-num_tokens // CHUNK_SIZE)) if padded and not write_pass else split)
+
+
+def leaves_room_for_write_pass(num_rows: int, num_tokens: int, batch_size: int) -> bool:
+    """``leaves_room_for_write_pass`` of ``c128_slice_width.cuh``: whether the compress pass of a
+    ``num_rows``-row plan over ``num_tokens`` tokens from ``batch_size`` requests, a write pass following
+    it, leaves half the GPU to that pass (``prefill_pass``'s ``leave_half``): an exact plan (not a row
+    per token) with more requests than chunks of tokens."""
+    return num_rows != num_tokens and batch_size > num_tokens // CHUNK_SIZE
+
+
+def exact_plan_passes(compress_rows: int, write_rows: int, lengths: Sequence[int], head_dim: int,
+                      multiprocessors: int) -> tuple[Optional[tuple[int, int, int]], Optional[tuple[int, int, int]]]:
+    """:func:`prefill_pass`'s (compress pass, write pass) for an exact plan of ``compress_rows`` and
+    ``write_rows`` rows over requests extending by ``lengths``, as ``C128Online::prefill`` launches
+    them; None for a pass without rows."""
+    tokens = sum(lengths)
+    leave_half = write_rows > 0 and leaves_room_for_write_pass(compress_rows, tokens, len(lengths))
+    compress = prefill_pass(compress_rows, head_dim, multiprocessors, leave_half=leave_half) if compress_rows else None
+    write = (prefill_pass(write_rows, head_dim, multiprocessors, beside=compress, write_pass=True)
+             if write_rows else None)
+    return compress, write
 
 
 def graph_plan_passes(lengths: Sequence[int], head_dim: int, multiprocessors: int,

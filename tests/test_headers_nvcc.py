@@ -346,8 +346,9 @@ def test_python_and_cpp_agree_on_the_shared_facts(tmp_path):
 
 
 # Prints choose_slice_width's (width, grid, chain) for each line of stdin, "head_dim rows likely_rows
-# padding resident write_pass beside_rows" (write_pass 0: a compress pass; beside_rows 0: no compress
-# pass beside; else its rows, all likely, no padding).
+# padding resident write_pass beside_rows leave_half" (write_pass 0: a compress pass; beside_rows 0: no
+# compress pass beside; else its rows, all likely, no padding; leave_half: that of the compress pass,
+# the line's or the one beside).
 SLICE_WIDTH_PROGRAM = """
 #include <deepseek_v4/c128_slice_width.cuh>
 
@@ -358,33 +359,35 @@ using flash_compress::c128::SliceOption;
 
 template <int64_t kHeadDim>
 SliceOption choose(bool write_pass, long long rows, long long likely, long long padding, long long resident,
-                   const SliceOption* beside) {
+                   const SliceOption* beside, bool leave_half) {
   std::array<int64_t, flash_compress::c128::kNumSliceDims> every_width;
   every_width.fill(resident);
-  return write_pass
-             ? flash_compress::c128::choose_slice_width<kHeadDim, true>(rows, likely, padding, every_width, beside)
-             : flash_compress::c128::choose_slice_width<kHeadDim, false>(rows, likely, padding, every_width, beside);
+  return write_pass ? flash_compress::c128::choose_slice_width<kHeadDim, true>(rows, likely, padding, every_width,
+                                                                               beside, false)
+                    : flash_compress::c128::choose_slice_width<kHeadDim, false>(rows, likely, padding, every_width,
+                                                                                beside, leave_half);
 }
 
 SliceOption choose(long long head_dim, bool write_pass, long long rows, long long likely, long long padding,
-                   long long resident, const SliceOption* beside) {
+                   long long resident, const SliceOption* beside, bool leave_half) {
   switch (head_dim) {
-    case 192: return choose<192>(write_pass, rows, likely, padding, resident, beside);
-    case 320: return choose<320>(write_pass, rows, likely, padding, resident, beside);
-    case 128: return choose<128>(write_pass, rows, likely, padding, resident, beside);
-    case 256: return choose<256>(write_pass, rows, likely, padding, resident, beside);
-    case 512: return choose<512>(write_pass, rows, likely, padding, resident, beside);
-    default: return choose<1024>(write_pass, rows, likely, padding, resident, beside);
+    case 192: return choose<192>(write_pass, rows, likely, padding, resident, beside, leave_half);
+    case 320: return choose<320>(write_pass, rows, likely, padding, resident, beside, leave_half);
+    case 128: return choose<128>(write_pass, rows, likely, padding, resident, beside, leave_half);
+    case 256: return choose<256>(write_pass, rows, likely, padding, resident, beside, leave_half);
+    case 512: return choose<512>(write_pass, rows, likely, padding, resident, beside, leave_half);
+    default: return choose<1024>(write_pass, rows, likely, padding, resident, beside, leave_half);
   }
 }
 
 int main() {
-  long long head_dim, rows, likely, padding, resident, write_pass, beside_rows;
-  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld", &head_dim, &rows, &likely, &padding, &resident,
-                    &write_pass, &beside_rows) == 7) {
-    const SliceOption compress = choose(head_dim, false, beside_rows, beside_rows, 0, resident, nullptr);
+  long long head_dim, rows, likely, padding, resident, write_pass, beside_rows, leave_half;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld %lld %lld", &head_dim, &rows, &likely, &padding, &resident,
+                    &write_pass, &beside_rows, &leave_half) == 8) {
+    const SliceOption compress =
+        choose(head_dim, false, beside_rows, beside_rows, 0, resident, nullptr, leave_half != 0);
     const SliceOption pass = choose(head_dim, write_pass != 0, rows, likely, padding, resident,
-                                    beside_rows > 0 ? &compress : nullptr);
+                                    beside_rows > 0 ? &compress : nullptr, leave_half != 0);
     std::printf("%u %lld %lld\\n", pass.slice_dim, static_cast<long long>(pass.blocks),
                 static_cast<long long>(pass.chain));
   }
@@ -399,32 +402,38 @@ def test_the_slice_width_rule_matches_the_tests_mirror(tmp_path):
     """The GPU tests pick row counts that reach each prefill slice width through
     `schedule.prefill_pass`, a Python mirror of `choose_slice_width`: here both run on the same
     passes (compress passes, write passes alone and beside a compress pass, with and without CUDA-graph
-    padding, with all rows likely live or few) and must agree."""
+    padding, with all rows likely live or few, the compress pass leaving half the GPU to the write pass or
+    not) and must agree."""
     from schedule import WIDEST_WRITE_SLICE, prefill_pass
 
     passes = [(False, 0), *((True, beside) for beside in (0, 1, 16, 64, 593))]
-    cases = [(head_dim, rows, likely, padding, sms, write_pass, beside)
+    cases = [(head_dim, rows, likely, padding, sms, write_pass, beside, leave_half)
              for head_dim in (128, 192, 256, 320, 512, 1024) for sms in (132, 78)
              for rows in (*range(1, 300, 7), 333, 529, 593, 1024, 4096) for likely in {rows, -(-rows // 60)}
-             for padding in (0, 1000, 400_000) for write_pass, beside in passes]
-    stdin = "".join(f"{h} {r} {k} {p} {8 * s} {int(w)} {b}\n" for h, r, k, p, s, w, b in cases)
+             for padding in (0, 1000, 400_000) for write_pass, beside in passes for leave_half in (False, True)]
+    stdin = "".join(f"{h} {r} {k} {p} {8 * s} {int(w)} {b} {int(lh)}\n" for h, r, k, p, s, w, b, lh in cases)
     compiled = run_program(SLICE_WIDTH_PROGRAM, tmp_path, stdin)
-    mirrored = [prefill_pass(r, h, s, prefill_pass(b, h, s) if b else None, padding_rows=p, write_pass=w,
-                             likely_rows=k)
-                for h, r, k, p, s, w, b in cases]
+    mirrored = [prefill_pass(r, h, s, prefill_pass(b, h, s, leave_half=lh) if b else None, padding_rows=p,
+                             write_pass=w, likely_rows=k, leave_half=lh and not w)
+                for h, r, k, p, s, w, b, lh in cases]
     assert len(compiled) == len(cases)
     differ = [(case, c, m) for case, c, m in zip(cases, compiled, mirrored) if c != m]
     assert not differ, f"{len(differ)} of {len(cases)} differ, first: {differ[:3]}"
     assert {c[0] for c in compiled} == {128, 64, 32, 16, 8}
+    by_case = {(h, r, k == r, p, s, w, b, lh): c for (h, r, k, p, s, w, b, lh), c in zip(cases, compiled)}
     # Few likely live rows break some ties in chain toward a narrower width, never a wider one, and
     # never change the chain.
-    by_case = {(h, r, k == r, p, s, w, b): c for (h, r, k, p, s, w, b), c in zip(cases, compiled)}
-    retied = [(key, all_live, few_live) for key, few_live in by_case.items() if not key[2]
+    retied = [(key, all_live, few_live) for key, few_live in by_case.items() if not key[2] and not key[7]
               for all_live in [by_case[key[:2] + (True,) + key[3:]]] if few_live != all_live]
     assert retied and all(few[0] < every[0] and few[2] == every[2] for _, every, few in retied), retied[:3]
+    # A compress pass that leaves half the GPU runs a grid of at most half where its choice without
+    # that filled more, and only then moves; some do move.
+    moved = [(key, free, halved) for key, halved in by_case.items() if key[7] and not key[5]
+             for free in [by_case[key[:7] + (False,)]] if halved != free]
+    assert moved and all(2 * free[1] > 8 * key[4] >= 2 * halved[1] for key, free, halved in moved), moved[:3]
     # 128-channel slices only where they divide head_dim, and never in a write pass.
     assert all(c[0] != 128 for (head_dim, *_), c in zip(cases, compiled) if head_dim % 128)
-    assert all(c[0] <= WIDEST_WRITE_SLICE for (*_, write_pass, _), c in zip(cases, compiled) if write_pass)
+    assert all(c[0] <= WIDEST_WRITE_SLICE for (*_, write_pass, _, _), c in zip(cases, compiled) if write_pass)
 
 
 @needs_nvcc
@@ -438,12 +447,13 @@ def test_a_padded_tie_goes_to_short_runs_only_where_the_likely_items_are_few(tmp
     likely: 2112 items), 13.50 -> 15.41 us at 16 (docs/PERF_LOG.md, "Ties in chain through the
     short-run rule"). With every row likely live, both keep 32."""
     cases = ["512 80 17 2031", "512 80 80 2031", "1024 64 33 4063", "1024 64 64 4063"]
-    compiled = run_program(SLICE_WIDTH_PROGRAM, tmp_path, "".join(f"{case} {8 * 132} 0 0\n" for case in cases))
+    compiled = run_program(SLICE_WIDTH_PROGRAM, tmp_path, "".join(f"{case} {8 * 132} 0 0 0\n" for case in cases))
     assert [width for width, _, _ in compiled] == [16, 32, 32, 32]
     assert compiled[0][2] == compiled[1][2]  # a tie in chain at the bound, broken by the likely rows
 
 
-# Prints pass_rows's (split, likely) for each line of stdin, "write_pass num_rows num_tokens batch_size".
+# Prints pass_rows's (split, likely) and leaves_room_for_write_pass for each line of stdin, "write_pass
+# num_rows num_tokens batch_size".
 PASS_ROWS_PROGRAM = """
 #include <deepseek_v4/c128_slice_width.cuh>
 
@@ -454,7 +464,9 @@ int main() {
   while (std::scanf("%lld %lld %lld %lld", &write_pass, &num_rows, &num_tokens, &batch_size) == 4) {
     const auto rows = write_pass != 0 ? flash_compress::c128::pass_rows<true>(num_rows, num_tokens, batch_size)
                                       : flash_compress::c128::pass_rows<false>(num_rows, num_tokens, batch_size);
-    std::printf("%lld %lld\\n", static_cast<long long>(rows.split), static_cast<long long>(rows.likely));
+    const bool room = flash_compress::c128::leaves_room_for_write_pass(num_rows, num_tokens, batch_size);
+    std::printf("%lld %lld %d\\n", static_cast<long long>(rows.split), static_cast<long long>(rows.likely),
+                room ? 1 : 0);
   }
   return 0;
 }
@@ -466,14 +478,20 @@ int main() {
 def test_pass_rows_match_the_tests_mirror(tmp_path):
     """The live-row bound and the likely rows a launch gives the width rule (`pass_rows`), against
     `schedule.pass_rows`, which `graph_plan_passes` (and so the GPU test of padded plans) counts with:
-    exact plans (fewer rows than tokens) and plans of a row per token, both passes."""
-    from schedule import pass_rows
+    exact plans (fewer rows than tokens) and plans of a row per token, both passes; and whether a
+    compress pass leaves room for its write pass (`leaves_room_for_write_pass`), which
+    `exact_plan_passes` mirrors."""
+    from schedule import leaves_room_for_write_pass, pass_rows
 
     cases = [(write_pass, rows, tokens, batch) for write_pass in (0, 1)
              for tokens, batch in ((1, 1), (129, 2), (2200, 1004), (24013, 16), (131072, 8), (512, 512))
              for rows in {1, batch, tokens // 128 + 1, tokens}]
     compiled = run_program(PASS_ROWS_PROGRAM, tmp_path, "".join(f"{w} {r} {t} {b}\n" for w, r, t, b in cases))
-    assert compiled == [pass_rows(bool(w), r, t, b) for w, r, t, b in cases]
+    assert compiled == [(*pass_rows(bool(w), r, t, b), int(leaves_room_for_write_pass(r, t, b)))
+                        for w, r, t, b in cases]
+    # Room for the write pass: exact plans with more requests than chunks of tokens only.
+    assert {r for _, r, t, b in cases if leaves_room_for_write_pass(r, t, b)} == {1, 2, 5, 18, 1004}
+    assert not leaves_room_for_write_pass(2200, 2200, 1004) and not leaves_room_for_write_pass(1, 24013, 16)
     # 4 x 300 + 1000 x 1 in a CUDA-graph plan: a bound of 1021 compress rows, 18 likely.
     assert pass_rows(False, 2200, 2200, 1004) == (1021, 18) and pass_rows(True, 2200, 2200, 1004) == (1004, 1004)
 

@@ -17,8 +17,8 @@ from flash_compress import reference as ref
 from flash_compress.c128_online import HEAD_DIMS_TESTED
 from flash_compress.plan_rows import CHUNK_SIZE, ROW_BYTES
 import oracle
-from schedule import (ScheduleHarness, bits, check_state_against, graph_plan_passes, plan_with, prefill_pass,
-                      rows_for_slice_width, run_schedule, slice_widths)
+from schedule import (ScheduleHarness, bits, check_state_against, exact_plan_passes, graph_plan_passes, plan_with,
+                      prefill_pass, rows_for_slice_width, run_schedule, slice_widths)
 
 pytestmark = pytest.mark.gpu
 
@@ -276,8 +276,7 @@ def test_one_token_rows_beside_a_request_that_reads_their_slot(gpu, head_dim, cu
     if cuda_graph:
         compress, write = graph_plan_passes(extend_lens, head_dim, sms)
     else:
-        compress = prefill_pass(counts[0], head_dim, sms)
-        write = prefill_pass(counts[1], head_dim, sms, beside=compress, write_pass=True)
+        compress, write = exact_plan_passes(counts[0], counts[1], extend_lens, head_dim, sms)
         compress_plan, write_plan = compress_plan[: counts[0]], write_plan[: counts[1]]
     assert compress[1] + write[1] > 8 * sms, "the write pass would start beside the compress pass"
     dtype = getattr(torch, state_dtype)

@@ -340,8 +340,10 @@ struct C128Online {
     params.num_split_rows = static_cast<uint32_t>(rows.split);
     const auto resident = per_slice_width(
         [&]<class Width>(Width) { return pass_resident_blocks<kWritePass, Width::kDim>(device); });
+    const bool leave_half = !kWritePass && params.overlap_passes &&
+                            leaves_room_for_write_pass(params.num_rows, params.num_tokens, params.batch_size);
     const SliceOption chosen = choose_slice_width<kHeadDim, kWritePass>(
-        rows.split, rows.likely, int64_t{params.num_rows} - rows.split, resident, beside);
+        rows.split, rows.likely, int64_t{params.num_rows} - rows.split, resident, beside, leave_half);
     // A compress pass that a write pass follows lets it launch at once, so
     // that its blocks fill the SMs this pass's tail leaves idle.
     const bool starts_write_pass = !kWritePass && params.overlap_passes;

@@ -101,6 +101,22 @@ constexpr PassRows pass_rows(int64_t num_rows, int64_t num_tokens, int64_t batch
   return PassRows{.split = split, .likely = padded && !kWritePass ? std::min(split, chunks_of_tokens) : split};
 }
 
+/// \brief Whether the compress pass of a call whose write pass follows it
+/// leaves half the GPU to that write pass (choose_slice_width's
+/// `leave_half`): an exact plan (not a row per token) of `num_tokens` tokens
+/// from more requests than it has chunks of tokens, whose write rows are then
+/// mostly a token or a few. Its write pass, launched early, starts on the
+/// free half instead of waiting for a compress grid that fills the GPU, as
+/// it does beside a padded plan's grid of mostly padding (those plans are
+/// left as they are: the same grid came from their likely rows). Head_dim
+/// 512, 1 x 8192 + 255 x 1 tokens: the compress pass at 32 channels on 512
+/// blocks instead of 16 on 1024, 13.77 -> 11.09 us on an H100 (the padded
+/// plan's 12.20); shapes with many short requests within 1.5% but head_dim
+/// 128 512 x 64, 10.82 -> 9.53 (docs/PERF_LOG.md).
+constexpr bool leaves_room_for_write_pass(int64_t num_rows, int64_t num_tokens, int64_t batch_size) {
+  return num_rows != num_tokens && batch_size > num_tokens / kC128ChunkSize;
+}
+
 /// Rounds of plan decoding (32 items per warp each) a narrow pass may spend
 /// on a padded plan before its extra rounds cost more than they save.
 inline constexpr int64_t kMaxNarrowScanRounds = 4;
@@ -260,14 +276,20 @@ const SliceOption* shortest_chain(const std::array<SliceOption, kNumSliceDims>& 
 /// likely rows (head_dim 1024, 4 x 300 + 1000 x 1 tokens from random
 /// prefixes in a CUDA-graph plan, 20 live compress rows of a bound of 1021:
 /// 43.8 -> 35.9 us on an H100 as 32-channel slices replaced 128-channel ones).
+/// A compress pass told to `leave_half` (leaves_room_for_write_pass) takes
+/// the shortest chain among the widths whose grid fills at most half the
+/// GPU, where one does.
 template <int64_t kHeadDim, bool kWritePass>
 SliceOption choose_slice_width(int64_t split_rows, int64_t likely_rows, int64_t other_rows,
-                               const std::array<int64_t, kNumSliceDims>& resident, const SliceOption* beside) {
+                               const std::array<int64_t, kNumSliceDims>& resident, const SliceOption* beside,
+                               bool leave_half) {
   const auto options = per_slice_width([&]<class Width>(Width) {
     return slice_option<kHeadDim, kWritePass, Width::kDim>(split_rows, likely_rows, other_rows,
                                                            resident[Width::kPosition]);
   });
-  const SliceOption* chosen = shortest_chain(options, [](const SliceOption&) { return true; });
+  const SliceOption* chosen =
+      leave_half ? shortest_chain(options, [](const SliceOption& o) { return 2 * o.blocks <= o.resident; }) : nullptr;
+  if (chosen == nullptr) chosen = shortest_chain(options, [](const SliceOption&) { return true; });
   if (beside != nullptr && beside->blocks > 0) {
     const SliceOption* fitting =
         shortest_chain(options, [&](const SliceOption& o) { return o.blocks + beside->blocks <= o.resident; });
