@@ -7,7 +7,8 @@ Plans each of ``bench.PREFILL_CASES`` (with ``--shapes``, ``bench_shapes.SHAPES`
 does (same lengths, same seed, exact plans) and prints, per pass, the width it runs, its grid, its
 chain (rounds of dependent loads of its busiest warp, every segment taken as a full chunk) and
 whether the write pass's grid fits in the slots the compress pass's leaves free, so that it runs
-beside it, or must wait for its blocks to finish. The write pass also gets its longest segment of
+beside it, starts on the half of the GPU that pass leaves (``leaves_room_for_write_pass``; "partly
+beside"), or must wait for its blocks to finish. The write pass also gets its longest segment of
 this draw and the rounds one warp takes for it at the width the pass runs (its real chain, where the
 rule assumes full chunks). The rule is ``choose_slice_width``
 (``csrc/deepseek_v4/c128_slice_width.cuh``) through its Python mirror
@@ -125,7 +126,8 @@ def describe(head_dim: int, sms: int, cases: list[tuple], loads: bool = False) -
         if compress:
             line += f" compress {compress_rows} x {compress[0]}: {compress[1]} blocks, chain {compress[2]}"
         if write:
-            where = "" if not compress else ", beside" if compress[1] + write[1] <= resident else ", after"
+            where = ("" if not compress else ", beside" if compress[1] + write[1] <= resident
+                     else ", partly beside" if 2 * compress[1] <= resident else ", after")
             rounds = -(-longest // round_tokens(write[0]))
             line += (f"  write {write_rows} x {write[0]}: {write[1]} blocks, chain {write[2]}{where}; longest "
                      f"{longest} token{'s' * (longest != 1)}, {rounds} round{'s' * (rounds != 1)}")

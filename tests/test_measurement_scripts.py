@@ -110,6 +110,9 @@ def test_slice_widths_prints_every_bench_case_with_a_width_and_a_grid_that_fits(
         else:
             assert "write" not in line, line
     assert lines[-1].endswith("longest 1 token, 1 round")  # 1 x 128 from 0 + 1 x 1: the one-token request
+    # 1 x 8192 + 255 x 1: more requests than chunks, so the compress pass leaves half the GPU to the write pass.
+    few_rows = next(line for line in lines if line.split()[0] == "1x8192")
+    assert "compress 64 x 32: 512 blocks" in few_rows and "partly beside" in few_rows, few_rows
 
 
 def test_slice_widths_loads_deal_items_as_the_kernel_does(capsys, monkeypatch):
