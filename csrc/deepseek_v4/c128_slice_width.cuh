@@ -102,17 +102,17 @@ constexpr PassRows pass_rows(int64_t num_rows, int64_t num_tokens, int64_t batch
 }
 
 /// \brief Whether the compress pass of a call whose write pass follows it
-/// leaves half the GPU to that write pass (choose_slice_width's
-/// `leave_half`): an exact plan (not a row per token) of `num_tokens` tokens
-/// from more requests than it has chunks of tokens, whose write rows then
-/// average under a chunk and are mostly short. Its write pass, launched early, starts on the
+/// leaves half the GPU to that write pass (choose_slice_width's `leave_half`):
+/// an exact plan (not a row per token) of `num_tokens` tokens from more
+/// requests than it has chunks of tokens, whose write rows then average under a
+/// chunk and are mostly short. Its write pass, launched early, starts on the
 /// free half instead of waiting for a compress grid that fills the GPU. A
 /// padded plan is left as it is: its compress grid's blocks that hold only
 /// padding exit at once, which gives the write pass the same room. Head_dim
 /// 512, 1 x 8192 + 255 x 1 tokens: the compress pass at 32 channels on 512
 /// blocks instead of 16 on 1024, 13.77 -> 11.09 us on an H100 (the padded
-/// plan's 12.20); shapes with many short requests within 1.5% but head_dim
-/// 128 512 x 64, 10.82 -> 9.53 (docs/PERF_LOG.md).
+/// plan's 12.20); shapes with many short requests within 1.5% but head_dim 128
+/// 512 x 64, 10.82 -> 9.53 (docs/PERF_LOG.md).
 constexpr bool leaves_room_for_write_pass(int64_t num_rows, int64_t num_tokens, int64_t batch_size) {
   return num_rows != num_tokens && batch_size > num_tokens / kC128ChunkSize;
 }
