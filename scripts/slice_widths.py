@@ -7,14 +7,14 @@ Plans each of ``bench.PREFILL_CASES`` (with ``--shapes``, ``bench_shapes.SHAPES`
 does (same lengths, same seed, exact plans) and prints, per pass, the width it runs, its grid, its
 chain (rounds of dependent loads of its busiest warp, every segment taken as a full chunk) and
 whether the write pass's grid fits in the slots the compress pass's leaves free, so that it runs
-beside it, starts on the half of the GPU that pass leaves (``leaves_room_for_write_pass``; "partly
-beside"), or must wait for its blocks to finish. The write pass also gets its longest segment of
-this draw and the rounds one warp takes for it at the width the pass runs (its real chain, where the
-rule assumes full chunks). The rule is ``choose_slice_width``
-(``csrc/deepseek_v4/c128_slice_width.cuh``) through its Python mirror
+beside it, starts on the half or more of the GPU that a compress grid of at most half leaves free
+("partly beside", what ``leaves_room_for_write_pass`` arranges), or must wait for its blocks to
+finish. The write pass also gets its longest segment of this draw and the rounds one warp takes for
+it at the width the pass runs (its real chain, where the rule assumes full chunks). The rule is
+``choose_slice_width`` (``csrc/deepseek_v4/c128_slice_width.cuh``) through its Python mirror
 ``tests/schedule.py: prefill_pass`` (an exact plan's two passes as ``exact_plan_passes`` launches
-them), which ``tests/test_headers_nvcc.py`` checks against the compiled rule; 8 blocks fit an SM (every prefill kernel sits at its 128-register bound), and an H200
-has 132 SMs.
+them), which ``tests/test_headers_nvcc.py`` checks against the compiled rule; 8 blocks fit an SM
+(every prefill kernel sits at its 128-register bound), and an H200 has 132 SMs.
 
 ``--graph-plans`` prints instead what each pass picks with CUDA-graph plans (a row per token, live rows
 only bounded; ``schedule.graph_plan_passes``), and for a compress pass whose width the tie-break on its
