@@ -40,7 +40,7 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "scripts"), str(ROOT / "tests")
 import bench  # noqa: E402
 from flash_compress.c128_online import HEAD_DIMS_TESTED  # noqa: E402
 from flash_compress.host_planner import plan_segments  # noqa: E402
-from schedule import exact_plan_passes, graph_plan_passes, round_tokens  # noqa: E402
+from schedule import exact_plan_passes, fills_at_most_half, graph_plan_passes, round_tokens  # noqa: E402
 
 #: Prefill blocks (64 threads) an SM, as the host counts them for the width rule (at most
 #: ``PrefillLayout::kMinBlocksPerSM``, whatever more fit) and as prefill_pass does.
@@ -127,7 +127,7 @@ def describe(head_dim: int, sms: int, cases: list[tuple], loads: bool = False) -
             line += f" compress {compress_rows} x {compress[0]}: {compress[1]} blocks, chain {compress[2]}"
         if write:
             where = ("" if not compress else ", beside" if compress[1] + write[1] <= resident
-                     else ", partly beside" if 2 * compress[1] <= resident else ", after")
+                     else ", partly beside" if fills_at_most_half(compress[1], resident) else ", after")
             rounds = -(-longest // round_tokens(write[0]))
             line += (f"  write {write_rows} x {write[0]}: {write[1]} blocks, chain {write[2]}{where}; longest "
                      f"{longest} token{'s' * (longest != 1)}, {rounds} round{'s' * (rounds != 1)}")

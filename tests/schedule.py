@@ -198,6 +198,12 @@ def round_tokens(width: int) -> int:
     return 4 * (32 // (width // 4))
 
 
+def fills_at_most_half(blocks: int, resident: int) -> bool:
+    """``fills_at_most_half`` of ``c128_slice_width.cuh``: whether a grid of ``blocks`` blocks, of
+    ``resident`` that fit the GPU at once, leaves room for a second grid as large beside it."""
+    return 2 * blocks <= resident
+
+
 def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optional[tuple[int, int, int]] = None,
                  padding_rows: int = 0, write_pass: bool = False,
                  likely_rows: Optional[int] = None, leave_half: bool = False) -> tuple[int, int, int]:
@@ -234,7 +240,7 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
                                for count in (rows, likely_rows))
         few_likely_items = 2 * likely_rows * slices <= warps
         blocks = min(-(-items // 2), resident)
-        if 2 * blocks > resident:  # padding rows get lanes, not warps, where no write pass would fit beside
+        if not fills_at_most_half(blocks, resident):  # padding rows get lanes where no write pass fits beside
             blocks = min(-(-max(rows * slices, -(-items // 32)) // 2), resident)
         options.append((width, blocks, chain, likely_chain, few_likely_items))
 
@@ -248,7 +254,7 @@ def prefill_pass(rows: int, head_dim: int, multiprocessors: int, beside: Optiona
                 best = (width, blocks, chain, likely_chain, few_likely_items)
         return best
 
-    chosen = (leave_half and shortest([o for o in options if 2 * o[1] <= resident])) or shortest(options)
+    chosen = (leave_half and shortest([o for o in options if fills_at_most_half(o[1], resident)])) or shortest(options)
     if beside is not None and beside[1] > 0:
         fitting = shortest([o for o in options if o[1] + beside[1] <= resident])
         if fitting is not None and max(fitting[2], beside[2]) <= beside[2] + chosen[2]:

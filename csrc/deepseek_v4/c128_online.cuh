@@ -367,7 +367,7 @@ struct C128Online {
   /// unbalanced. Where both grids fit at once, or this one runs in several
   /// waves anyway, the early launch only hides the next one's.
   static bool trigger_next_early(int64_t grid, int64_t resident) {
-    return 2 * grid <= resident || grid > resident;
+    return fills_at_most_half(grid, resident) || grid > resident;
   }
 
   /// \brief Dynamic shared memory (unused by its threads) for a decode or

@@ -76,6 +76,12 @@ bool with_slice_width(uint32_t slice_dim, F&& f) {
   }(std::make_index_sequence<kNumSliceDims>{});
 }
 
+/// \brief Whether a grid of `blocks` blocks, out of `resident` that fit the
+/// GPU at once, leaves room for a second grid as large beside it: the test
+/// behind a write pass starting beside its compress pass, a padding scan by
+/// lanes, and an early launch that only hides the next kernel's.
+constexpr bool fills_at_most_half(int64_t blocks, int64_t resident) { return 2 * blocks <= resident; }
+
 /// \brief The rows of a pass that may be live (split into slices) and, of
 /// those, the ones likely live, for a plan of `num_rows` rows over a call of
 /// `num_tokens` tokens from `batch_size` requests.
@@ -173,7 +179,7 @@ struct SliceOption {
 inline int64_t pass_blocks(int64_t split_items, int64_t items, int64_t warps_per_block, int64_t resident) {
   using host::div_ceil;
   const int64_t per_item = std::min(div_ceil(items, warps_per_block), resident);
-  if (2 * per_item <= resident) return per_item;
+  if (fills_at_most_half(per_item, resident)) return per_item;
   const int64_t scanning_warps = std::max<int64_t>(split_items, div_ceil(items, ::device::kWarpThreads));
   return std::min(div_ceil(scanning_warps, warps_per_block), resident);
 }
@@ -287,8 +293,8 @@ SliceOption choose_slice_width(int64_t split_rows, int64_t likely_rows, int64_t 
     return slice_option<kHeadDim, kWritePass, Width::kDim>(split_rows, likely_rows, other_rows,
                                                            resident[Width::kPosition]);
   });
-  const SliceOption* chosen =
-      leave_half ? shortest_chain(options, [](const SliceOption& o) { return 2 * o.blocks <= o.resident; }) : nullptr;
+  const auto leaves_half = [](const SliceOption& o) { return fills_at_most_half(o.blocks, o.resident); };
+  const SliceOption* chosen = leave_half ? shortest_chain(options, leaves_half) : nullptr;
   if (chosen == nullptr) chosen = shortest_chain(options, [](const SliceOption&) { return true; });
   if (beside != nullptr && beside->blocks > 0) {
     const SliceOption* fitting =
