@@ -188,7 +188,9 @@ def decode(
         load_indices: ``[B]`` int32 slots to read the prior states from (a request moving to
             ``indices[b]``); costs one gather and one scatter of those states before the kernel,
             without a host sync. A request whose ``load_indices`` slot is outside the pool is
-            skipped when it needs its prior state (its token does not start a chunk).
+            skipped when it needs its prior state (its token does not start a chunk). A request
+            whose token closes a chunk also moves its prior state, which then stays in
+            ``indices[b]``: the kernel writes no state there, and the next token starts a chunk.
         use_pdl: the variant's programmatic dependent launch (None: on for sm_90+).
 
     Returns:
