@@ -265,6 +265,41 @@ def test_disable_jit_raises_on_a_miss_and_still_loads_a_hit(warm_cache, tmp_path
     assert jit.load(tiny_spec(), cache_dir=cache).add_value(0) == 1
 
 
+def test_disable_jit_loads_a_prebuilt_entry_whatever_toolchain_the_node_has(warm_cache, tmp_path, monkeypatch):
+    """USAGE section 7: a serving node that may not compile takes a build that matches every input but the
+    toolchain, as one without nvcc does, though its own nvcc (here its nvcc flags) differs from the build
+    machine's; with compiling allowed the same node misses."""
+    cache = copy_cache(warm_cache, tmp_path / "cache")
+    [entry] = entries(cache)
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "-w")  # another full key than the build machine's
+    monkeypatch.setenv("FLASH_COMPRESS_DISABLE_JIT", "1")
+    outcome = jit.ensure_built(tiny_spec(), cache_dir=cache)
+    assert (outcome.status, outcome.portable, outcome.entry) == ("cached", True, entry)
+    assert jit.load(tiny_spec(), cache_dir=cache).add_value(6) == 7
+    with pytest.raises(JitDisabledError, match="jit_tiny_sm100_"):
+        jit.ensure_built(tiny_spec(), arch_list=("10.0",), cache_dir=cache)  # not built for that arch
+    assert entries(cache) == [entry]
+
+
+def test_the_key_covers_every_variable_nvcc_passes_to_its_tools(tmp_path, monkeypatch):
+    """The variables besides ``NVCC_*`` that nvcc or its nvcc.profile hand to cudafe++, cicc, ptxas or
+    nvlink: each reaches a tool's command line (``nvcc --dryrun``) and changes the key."""
+    from flash_compress.jit import cache
+
+    nvcc = find_nvcc()
+    source = tmp_path / "k.cu"
+    source.write_text("__global__ void k() {}\n")
+    base = cache.key_inputs(tiny_spec(), ("9.0",), nvcc, None).key()
+    for var in (v for v in cache._NVCC_FLAG_ENV if not v.startswith("NVCC_")):
+        dryrun = subprocess.run([str(nvcc), "--dryrun", "-shared", "-Xcompiler", "-fPIC", str(source), "-o",
+                                 str(tmp_path / "k.so")], capture_output=True, text=True,
+                                env={**os.environ, var: "--flash-compress-marker"})
+        assert "--flash-compress-marker" in dryrun.stdout + dryrun.stderr, var
+        monkeypatch.setenv(var, "-v")
+        assert cache.key_inputs(tiny_spec(), ("9.0",), nvcc, None).key() != base, var
+        monkeypatch.delenv(var)
+
+
 def test_a_multi_arch_prebuild_serves_a_node_that_asks_for_one_of_its_archs(tmp_path, monkeypatch):
     """USAGE section 7: the cluster prebuilds for 9.0 and 10.0, and a node that asks for its own GPU's arch
     finds that build, with nvcc or without, compiling nothing."""

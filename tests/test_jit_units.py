@@ -295,6 +295,22 @@ def test_tool_versions_are_cached_on_disk_by_binary_identity(monkeypatch, tmp_pa
     assert toolchain.tool_version(tool, ("--version",), blocker / "cache") == "tool 2.0 upgraded"
 
 
+def test_a_compiler_link_is_asked_by_the_name_nvcc_runs(tmp_path):
+    """ccache-style links dispatch on their own name: ``gcc -> ccache`` must be asked as ``gcc``, and two
+    links to one binary remembered apart."""
+    dispatcher = tmp_path / "bin" / "dispatcher"
+    dispatcher.parent.mkdir()
+    dispatcher.write_text('#!/bin/sh\necho "$(basename "$0") 1.0"\n')
+    dispatcher.chmod(0o755)
+    for name in ("gcc", "g++"):
+        (tmp_path / "bin" / name).symlink_to(dispatcher)
+    cache = tmp_path / "cache"
+    for _ in range(2):  # the second time from the disk, as a new process would
+        toolchain._versions.clear()
+        assert toolchain.tool_version(tmp_path / "bin" / "gcc", ("--version",), cache) == "gcc 1.0"
+        assert toolchain.tool_version(tmp_path / "bin" / "g++", ("--version",), cache) == "g++ 1.0"
+
+
 # --- logs and errors -------------------------------------------------------------------------------
 
 NVCC_FAILURE = """/s/t.cu(3): error: identifier "undefined_thing" is undefined
@@ -493,6 +509,26 @@ def test_verify_entry_catches_truncation_and_corruption(tmp_path):
     assert not verify_entry(tmp_path / "absent").exists
 
 
+def test_an_entry_cleared_while_it_is_checked_is_a_miss_not_an_error(tmp_path, monkeypatch):
+    """`clear` renames entries away at any moment: a check that loses its files midway finds no entry (the
+    loader then builds or raises JitDisabledError) instead of raising FileNotFoundError, and `status`
+    lists what is left."""
+    from flash_compress.jit import cache
+
+    entry = _fake_entry(tmp_path, "tiny_sm90_0123456789abcdef", "tiny")
+    real_sha256 = cache._sha256
+
+    def cleared_meanwhile(path):
+        clear_cache(tmp_path)
+        return real_sha256(path)
+
+    monkeypatch.setattr(cache, "_sha256", cleared_meanwhile)
+    verdict = verify_entry(entry)
+    assert not entry.exists() and verdict.library is None and not verdict.exists
+    _fake_entry(tmp_path, "tiny_sm90_0123456789abcdef", "tiny")
+    assert list_entries(tmp_path) == []  # hashing it cleared it; listing raised nothing
+
+
 def test_a_shared_cache_root_keeps_its_folders_and_locks_writable_by_every_user(tmp_path):
     """A root writable by its group or others (one cache several users build into): the folders the cache
     makes take the root's bits and lock files are writable by all, whatever the builder's umask; a private
@@ -507,8 +543,8 @@ def test_a_shared_cache_root_keeps_its_folders_and_locks_writable_by_every_user(
             lock = layout.lock("v_sm90_0", timeout=5)
             with lock:
                 assert stat.S_IMODE((root / ".locks" / "v_sm90_0.lock").stat().st_mode) == lock_mode
-            layout.new_staging("v")
-            for made in (root / ".locks", root / ".staging"):
+            staging = layout.new_staging("v")  # published as is: another user may have to move it aside
+            for made in (root / ".locks", root / ".staging", staging):
                 assert stat.S_IMODE(made.stat().st_mode) == folder_mode, made
     finally:
         os.umask(old_umask)
@@ -584,6 +620,49 @@ def test_status_names_a_broken_entry_and_clear_says_when_it_cannot_delete(tmp_pa
     monkeypatch.setattr(cache, "quarantine", denied)
     assert cli.clear(tmp_path) == 1
     assert f"clear: cannot delete from {tmp_path}: Permission denied" in capsys.readouterr().err
+
+
+def test_cache_commands_without_a_cache_dir_print_the_reason_not_a_traceback(monkeypatch, capsys):
+    import platformdirs
+
+    from flash_compress.__main__ import main
+
+    def no_home(*args, **kwargs):
+        raise RuntimeError("could not determine home directory")
+
+    monkeypatch.setattr(platformdirs, "user_cache_path", no_home)
+    for argv in (["status"], ["clear"], ["prebuild", "--planner-only", "--arch", "9.0"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"{argv[0]}: FLASH_COMPRESS_CACHE_DIR") and "Traceback" not in err, argv
+
+
+def test_an_interrupted_prebuild_cancels_the_builds_still_queued(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (KeyboardInterrupt in the waiting main thread) must not run every queued build first."""
+    import threading
+
+    from flash_compress.jit import cli
+
+    started, release = [], threading.Event()
+
+    def slow_build(spec, arch_list, cache_dir):
+        started.append(spec.name)
+        release.wait(5)
+        return "built", spec.name, 0.0, ""
+
+    def interrupted(futures):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_prebuild_one", slow_build)
+    monkeypatch.setattr(cli, "as_completed", interrupted)
+    specs = [(f"v{i}", tiny_spec(name=f"tiny{i}")) for i in range(6)]
+    try:
+        assert cli.prebuild(specs, arch_list="9.0", jobs=1, cache_dir=tmp_path) == 130
+    finally:
+        release.set()
+    time.sleep(0.2)  # a cancelled build would have started by now
+    assert started == ["tiny0"]
+    assert "interrupted after 0 of 6 variants" in capsys.readouterr().err
 
 
 def test_source_roots_point_at_the_checkout():

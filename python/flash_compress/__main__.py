@@ -91,10 +91,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             print(f"prebuild: {exc}", file=sys.stderr)
             return 2
-        return cli.prebuild(grid, arch_list=targets, jobs=args.jobs, cache_dir=args.cache_dir)
-    if args.command == "status":
-        return cli.status(cache_dir=args.cache_dir, match=_state_dtype_filter(args.state_dtype))
-    return cli.clear(cache_dir=args.cache_dir, name_prefix=args.name, match=_state_dtype_filter(args.state_dtype))
+
+    try:  # a cache dir that cannot be resolved (no home, a bad FLASH_COMPRESS_CACHE_DIR): its message, no traceback
+        if args.command == "prebuild":
+            return cli.prebuild(grid, arch_list=targets, jobs=args.jobs, cache_dir=args.cache_dir)
+        if args.command == "status":
+            return cli.status(cache_dir=args.cache_dir, match=_state_dtype_filter(args.state_dtype))
+        return cli.clear(cache_dir=args.cache_dir, name_prefix=args.name, match=_state_dtype_filter(args.state_dtype))
+    except (ValueError, jit.JitError) as exc:
+        print(f"{args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

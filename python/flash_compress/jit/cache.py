@@ -47,8 +47,11 @@ BUILD_LOG = "build.log"
 KEY_SCHEMA = 2
 #: A staging or trash folder this old belongs to a builder that died (no build takes hours).
 STALE_S = 6 * 3600.0
-# nvcc reads these on every call: they change the build as much as a flag does.
-_NVCC_FLAG_ENV = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")
+# nvcc reads these on every call, itself or through nvcc.profile, and passes them to the tools it
+# runs (cudafe++, cicc, ptxas, nvlink; `nvcc --dryrun` shows them): they change the build as much as
+# a flag does.
+_NVCC_FLAG_ENV = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN", "CUDAFE_FLAGS", "NVVM_FLAGS",
+                  "OCG_FLAGS", "PTXAS_FLAGS", "NVLINK_FLAGS", "INCLUDES", "SYSTEM_INCLUDES", "LIBRARIES")
 
 
 # --- the key ---------------------------------------------------------------------------------------
@@ -242,6 +245,9 @@ class CacheLayout:
         self.make_dir(self.staging_root)
         path = self.staging_root / f"{folder}.{os.getpid()}.{secrets.token_hex(4)}"
         path.mkdir()
+        shared = self.shared_mode()
+        if shared is not None:  # the published entry keeps them: another user may have to move it aside
+            path.chmod(shared)
         return path
 
 
@@ -302,17 +308,22 @@ def verify_entry(entry: Path, key: str | None = None) -> Verdict:
         return Verdict(None, None)
     manifest = read_manifest(entry)
     if manifest is None:
-        return Verdict(None, "manifest.json is missing or unreadable")
+        # `clear` (or a quarantine) may have renamed the whole entry away since the check above.
+        return Verdict(None, "manifest.json is missing or unreadable" if entry.is_dir() else None)
     if key is not None and manifest.get("key") != key:
         return Verdict(None, "manifest.json belongs to another key", manifest)
     library = entry / str(manifest.get("library", ""))
-    if not manifest.get("library") or not library.is_file():
-        return Verdict(None, "the shared library is missing", manifest)
-    size = library.stat().st_size
-    if size != manifest.get("size"):
-        return Verdict(None, f"the shared library has {size} bytes, the manifest says {manifest.get('size')}", manifest)
-    if _sha256(library) != manifest.get("sha256"):
-        return Verdict(None, "the shared library's sha256 does not match the manifest", manifest)
+    try:
+        if not manifest.get("library") or not library.is_file():
+            return Verdict(None, "the shared library is missing" if entry.is_dir() else None, manifest)
+        size = library.stat().st_size
+        if size != manifest.get("size"):
+            return Verdict(None, f"the shared library has {size} bytes, the manifest says {manifest.get('size')}",
+                           manifest)
+        if _sha256(library) != manifest.get("sha256"):
+            return Verdict(None, "the shared library's sha256 does not match the manifest", manifest)
+    except FileNotFoundError:  # renamed away while being checked: a miss, not a broken entry
+        return Verdict(None, None)
     return Verdict(library, None, manifest)
 
 
@@ -438,22 +449,37 @@ def _entry_folders(root: Path) -> list[tuple[Path, str, tuple[str, ...], dict[st
     return found
 
 
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``, counting none that `clear` removes meanwhile."""
+    total = 0
+    for file in path.rglob("*"):
+        try:
+            total += file.stat().st_size if file.is_file() else 0
+        except FileNotFoundError:
+            pass
+    return total
+
+
 def list_entries(root: Path) -> list[JitCacheInfo]:
-    """Every entry under ``root``, broken ones too, sorted by folder name (each .so is hashed)."""
-    return [
-        JitCacheInfo(
+    """Every entry under ``root``, broken ones too, sorted by folder name (each .so is hashed); one that
+    `clear` removes meanwhile is left out."""
+    infos = []
+    for path, name, archs, manifest in _entry_folders(root):
+        size, verdict = _tree_bytes(path), verify_entry(path)
+        if not verdict.exists:
+            continue
+        infos.append(JitCacheInfo(
             folder=path.name,
             path=path,
             name=name,
             arch_list=archs,
             key=str(manifest.get("key", "")),
-            size=sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
+            size=size,
             built_at=float(manifest.get("built_at", 0.0)),
             build_seconds=float(manifest.get("build_seconds", 0.0)),
-            problem=verify_entry(path).problem,
-        )
-        for path, name, archs, manifest in _entry_folders(root)
-    ]
+            problem=verdict.problem,
+        ))
+    return infos
 
 
 def clear_cache(root: Path, name_prefix: str | None = None, match: Callable[[str], bool] | None = None) -> list[str]:

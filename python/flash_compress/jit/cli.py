@@ -59,14 +59,22 @@ def prebuild(specs: Sequence[tuple[str, JitSpec]], arch_list: Sequence[str] | st
     results: dict[str, tuple[str, str, float, str]] = {}
     disable_jit = config.overrides.get("disable_jit")
     config.disable_jit = False
+    pool = ThreadPoolExecutor(max_workers=workers)
     try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = {pool.submit(_prebuild_one, spec, arch, str(root)): label for label, spec in specs}
-            for future in as_completed(futures):
-                label = futures[future]
-                results[label] = status, _, seconds, _ = future.result()
-                print(f"[{len(results)}/{len(specs)}] {label}: {status} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+        futures = {pool.submit(_prebuild_one, spec, arch, str(root)): label for label, spec in specs}
+        for future in as_completed(futures):
+            label = futures[future]
+            results[label] = status, _, seconds, _ = future.result()
+            print(f"[{len(results)}/{len(specs)}] {label}: {status} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        # Leaving the pool's `with` would first run every queued build. Ctrl-C reached the running
+        # nvcc too (its process group); what it leaves behind the next build of its key clears.
+        pool.shutdown(wait=False, cancel_futures=True)
+        print(f"prebuild: interrupted after {len(results)} of {len(specs)} variants; the rest were not built",
+              file=sys.stderr)
+        return 130
     finally:
+        pool.shutdown(wait=False, cancel_futures=True)
         config.disable_jit = disable_jit
     print(_table(("variant", "arch", "status", "seconds", "folder"),
                  [(label, " ".join(arch), results[label][0], f"{results[label][2]:.1f}", results[label][1])

@@ -56,7 +56,8 @@ class BuildOutcome:
         status: ``"built"`` when this call compiled it, ``"cached"`` when it was there.
         seconds: wall time of this call.
         arch_list: the archs it was built for.
-        portable: found by its portable key, on a machine with no nvcc.
+        portable: found by its portable key (without the toolchain), on a machine with no nvcc or
+            with ``FLASH_COMPRESS_DISABLE_JIT=1``.
     """
 
     folder: str
@@ -158,6 +159,13 @@ def _ensure(spec: JitSpec, arch: tuple[str, ...], layout: CacheLayout, distrust_
         logger.info("JIT cache hit: %s (built for more archs than %s)", covering.library.parent.name, arch_tag(arch))
         return _outcome(covering, "cached", start, _built_for(covering))
     if config.disable_jit:
+        # A node that may not compile has no use for its own toolchain: as where no nvcc exists, take a
+        # build that matches every other input (one prebuilt on a build machine with another nvcc).
+        portable = find_covering_entry(layout, inputs, portable=True)
+        if _usable(portable, distrust_sha):
+            logger.info("JIT cache hit: %s (FLASH_COMPRESS_DISABLE_JIT=1; matched without the toolchain)",
+                        portable.library.parent.name)
+            return _outcome(portable, "cached", start, _built_for(portable), portable=True)
         reason = "FLASH_COMPRESS_DISABLE_JIT=1 forbids compiling"
         if verdict.exists:
             reason += f" (the cached entry is broken: {verdict.problem or 'its library failed to load'})"

@@ -73,7 +73,7 @@ def host_compiler() -> Path | None:
     return Path(found) if found else None
 
 
-_versions: dict[tuple[str, int, int, tuple[str, ...]], str] = {}
+_versions: dict[tuple[str, str, int, int, tuple[str, ...]], str] = {}
 _versions_lock = threading.Lock()
 
 
@@ -101,8 +101,9 @@ def _write_atomically(path: Path, text: str) -> None:
 def tool_version(binary: Path, args: tuple[str, ...], cache_dir: Path | None) -> str:
     """``binary args...``'s output, remembered in memory and under ``cache_dir/.toolchain``.
 
-    Keyed by the binary's real path, size and mtime, so an upgraded compiler is asked
-    again. An unwritable cache dir only costs the re-run in the next process; with the
+    Keyed by the path as given (what nvcc runs: a ccache link answers for the compiler it
+    is named after) and by its real file's path, size and mtime, so an upgraded compiler is
+    asked again. An unwritable cache dir only costs the re-run in the next process; with the
     JIT disabled nothing is written (a miss then leaves the cache dir untouched).
     """
     real = binary.resolve()
@@ -110,12 +111,13 @@ def tool_version(binary: Path, args: tuple[str, ...], cache_dir: Path | None) ->
         st = real.stat()
     except OSError as exc:
         return f"unavailable: {exc}"
-    stamp = {"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "args": list(args)}
-    memo_key = (str(real), st.st_size, st.st_mtime_ns, args)
+    stamp = {"path": str(binary), "real": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+             "args": list(args)}
+    memo_key = (str(binary), str(real), st.st_size, st.st_mtime_ns, args)
     disk = None
     if cache_dir is not None:
-        digest = hashlib.sha256(json.dumps([str(real), list(args)]).encode()).hexdigest()[:16]
-        disk = cache_dir / ".toolchain" / f"{real.name}-{digest}.json"
+        digest = hashlib.sha256(json.dumps([str(binary), str(real), list(args)]).encode()).hexdigest()[:16]
+        disk = cache_dir / ".toolchain" / f"{binary.name}-{digest}.json"
     with _versions_lock:
         output = _versions.get(memo_key)
     if output is None and disk is not None:
@@ -127,7 +129,7 @@ def tool_version(binary: Path, args: tuple[str, ...], cache_dir: Path | None) ->
             pass
     fresh = output is None
     if output is None:
-        output = _run_version(real, args)
+        output = _run_version(binary, args)
         if output.startswith("unavailable:"):
             return output
     with _versions_lock:
