@@ -121,13 +121,41 @@ def test_arch_list_validation_and_tag():
 
 def test_arch_detection_uses_no_torch_unless_imported(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
-    toolchain._nvidia_smi_archs.cache_clear()
+    toolchain._nvidia_smi_gpus.cache_clear()
     monkeypatch.setenv("PATH", "")  # no nvidia-smi either
     try:
         assert toolchain.detect_gpu_arch_list() is None
         assert cuda_arch_list() == ("9.0",)
     finally:
-        toolchain._nvidia_smi_archs.cache_clear()
+        toolchain._nvidia_smi_gpus.cache_clear()
+
+
+@pytest.mark.parametrize("visible, order, want", [
+    (None, None, ("7.5", "9.0")),             # the whole host
+    ("1", "PCI_BUS_ID", ("9.0",)),            # nvidia-smi's index is CUDA's in PCI order
+    ("GPU-bbbb", None, ("9.0",)),             # a UUID prefix, in any order
+    ("1,7,0", "PCI_BUS_ID", ("9.0",)),        # read up to the first entry that names no GPU
+    ("", None, None),                         # no GPU visible: the default arch list
+    ("1", None, ("7.5", "9.0")),              # fastest-first indices on two kinds: both kept
+    ("MIG-cccc", None, ("7.5", "9.0")),       # a MIG instance: both kept
+])
+def test_arch_detection_by_nvidia_smi_follows_cuda_visible_devices(monkeypatch, tmp_path, visible, order, want):
+    """A rank of a host with two kinds of GPU builds for the one it sees (torch not imported)."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '0, GPU-aaaa-1111, 7.5'\necho '1, GPU-bbbb-2222, 9.0'\n")
+    smi.chmod(0o755)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    for var, value in (("CUDA_VISIBLE_DEVICES", visible), ("CUDA_DEVICE_ORDER", order)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    toolchain._nvidia_smi_gpus.cache_clear()
+    try:
+        assert toolchain.detect_gpu_arch_list() == want
+    finally:
+        toolchain._nvidia_smi_gpus.cache_clear()
 
 
 def test_jit_package_never_imports_torch():
@@ -366,6 +394,28 @@ def test_a_build_command_reports_its_output_and_status_through_the_guard(tmp_pat
     assert build._run(["sh", "-c", "kill -9 $$"], echo=False)[0] == 128 + 9
     status, lines = build._run([str(tmp_path / "no-nvcc")], echo=False)
     assert status == 127 and lines[-1].startswith(f"could not run {tmp_path / 'no-nvcc'}: "), lines
+
+
+def test_a_builder_that_exits_mid_build_stops_the_build_instead_of_waiting_for_it(tmp_path):
+    """A server whose SIGTERM handler calls sys.exit while a thread compiles: the SystemExit leaves at once
+    and takes the compiler down, rather than waiting for the compile to end."""
+    pid_file = tmp_path / "compiler.pid"
+    previous = signal.signal(signal.SIGALRM, lambda *_: sys.exit(3))
+    start = time.perf_counter()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(SystemExit):
+            build._run(["sh", "-c", f"echo $$ > {pid_file}; exec sleep 20"], echo=False)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.perf_counter() - start < 10
+    compiler = int(pid_file.read_text())
+    for _ in range(100):  # the guard kills and reaps it
+        if not Path(f"/proc/{compiler}").exists():
+            break
+        time.sleep(0.05)
+    assert not Path(f"/proc/{compiler}").exists()
 
 
 def test_a_build_runs_unguarded_where_the_guard_cannot_run(monkeypatch):

@@ -90,10 +90,16 @@ def _run(command: list[str], echo: bool) -> tuple[int, list[str]]:
     with subprocess.Popen(_guarded(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           errors="replace") as process:
         assert process.stdout is not None
-        for line in process.stdout:
-            lines.append(line.rstrip("\n"))
-            if echo:
-                print(line, end="", file=sys.stderr, flush=True)
+        try:
+            for line in process.stdout:
+                lines.append(line.rstrip("\n"))
+                if echo:
+                    print(line, end="", file=sys.stderr, flush=True)
+        except BaseException:
+            # The builder is leaving (SystemExit from a server's SIGTERM handler, Ctrl-C, an error here):
+            # the `with` would wait for the whole compile; the guard, told to stop, stops nvcc's tree.
+            process.terminate()
+            raise
     return process.returncode, lines
 
 

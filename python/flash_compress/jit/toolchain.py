@@ -2,9 +2,10 @@
 
 The compilers' ``--version`` outputs go into the cache key. Running them costs tens
 of milliseconds, so the outputs are remembered, in memory and under the cache dir,
-keyed by each binary's real path, size and mtime: a warm load in a fresh process
-runs none of them. (Detecting the GPU's arch may run ``nvidia-smi`` once per process, where
-no arch list is set and torch is not imported or sees no GPU.)
+keyed by the path nvcc runs and its real file's path, size and mtime: a warm load in a
+fresh process runs none of them. (Detecting the GPU's arch may run ``nvidia-smi`` once per
+process, where no arch list is set and torch is not imported or sees no GPU; of the GPUs it
+lists, those ``CUDA_VISIBLE_DEVICES`` leaves count.)
 """
 
 from __future__ import annotations
@@ -194,17 +195,49 @@ def _torch_gpu_archs() -> tuple[str, ...] | None:
 
 
 @functools.cache
-def _nvidia_smi_archs() -> tuple[str, ...] | None:
-    # Once per process: the GPUs do not change under it, and the call costs tens of ms.
+def _nvidia_smi_gpus() -> tuple[tuple[str, str, str], ...] | None:
+    """``(index, uuid, compute capability)`` of every GPU of the host, as nvidia-smi numbers them (by PCI
+    bus). Once per process: the GPUs do not change under it, and the call costs tens of ms."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
     try:
-        result = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+        result = subprocess.run([smi, "--query-gpu=index,uuid,compute_cap", "--format=csv,noheader"],
                                 capture_output=True, text=True, timeout=30, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
-    return tuple(line.strip() for line in result.stdout.splitlines() if _ARCH.fullmatch(line.strip())) or None
+    rows = (tuple(field.strip() for field in line.split(",")) for line in result.stdout.splitlines())
+    return tuple(row for row in rows if len(row) == 3 and _ARCH.fullmatch(row[2])) or None
+
+
+def _visible_to_cuda(gpus: tuple[tuple[str, str, str], ...]) -> tuple[tuple[str, str, str], ...]:
+    """The GPUs ``CUDA_VISIBLE_DEVICES`` leaves this process: nvidia-smi lists the whole host, and a rank
+    of a host with two kinds of GPU must not build for (or refuse for) the other kind. Its entries are
+    UUIDs (or their prefixes) or indices, read up to the first that names no GPU, as CUDA does. An index
+    is nvidia-smi's only in PCI bus order (``CUDA_DEVICE_ORDER=PCI_BUS_ID``); in CUDA's default order,
+    fastest first, or with MIG instances, the host's GPUs of every kind are kept where they differ."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return gpus
+    pci_order = os.environ.get("CUDA_DEVICE_ORDER", "").strip() == "PCI_BUS_ID"
+    one_kind = len({arch for _, _, arch in gpus}) == 1
+    chosen: list[tuple[str, str, str]] = []
+    for entry in (token.strip() for token in visible.split(",")):
+        if entry.startswith("MIG-") or (entry.isdigit() and not pci_order and not one_kind):
+            return gpus
+        matches = [gpu for gpu in gpus
+                   if gpu[0] == entry or (entry.startswith("GPU-") and gpu[1].startswith(entry))]
+        if len(matches) != 1:  # no GPU, or an ambiguous UUID prefix: CUDA stops there
+            break
+        chosen.append(matches[0])
+    return tuple(chosen)
+
+
+def _nvidia_smi_archs() -> tuple[str, ...] | None:
+    gpus = _nvidia_smi_gpus()
+    if gpus is None:
+        return None
+    return tuple(arch for _, _, arch in _visible_to_cuda(gpus)) or None
 
 
 def detect_gpu_arch_list() -> tuple[str, ...] | None:
