@@ -26,7 +26,7 @@ from filelock import Timeout
 
 from .build import compile_in_staging
 from .cache import (
-    BUILD_LOG, CacheLayout, Verdict, clean_staging, find_covering_entry, folder_name, key_inputs, publish,
+    BUILD_LOG, CacheLayout, KeyInputs, Verdict, clean_staging, find_covering_entry, folder_name, key_inputs, publish,
     quarantine, remove_tree, verify_entry, write_manifest,
 )
 from .config import config
@@ -136,16 +136,26 @@ def _build_locked(spec: JitSpec, layout: CacheLayout, folder: str, inputs, nvcc:
         lock.release()
 
 
+def _portable_hit(layout: CacheLayout, inputs: KeyInputs, distrust_sha: str | None, start: float,
+                  why: str) -> BuildOutcome | None:
+    """A published build that matches every input but the toolchain, for a machine that will not
+    compile (``why``): it has no nvcc, or may not use it."""
+    verdict = find_covering_entry(layout, inputs, portable=True)
+    if not _usable(verdict, distrust_sha):
+        return None
+    logger.info("JIT cache hit: %s (%s; matched without the toolchain)", verdict.library.parent.name, why)
+    return _outcome(verdict, "cached", start, _built_for(verdict), portable=True)
+
+
 def _ensure(spec: JitSpec, arch: tuple[str, ...], layout: CacheLayout, distrust_sha: str | None = None) -> BuildOutcome:
     start = time.perf_counter()
     nvcc = find_nvcc()
     inputs = key_inputs(spec, arch, nvcc, layout.root)
     if nvcc is None:
-        # No nvcc, so no full key: accept a published build that matches every other input.
-        verdict = find_covering_entry(layout, inputs, portable=True)
-        if _usable(verdict, distrust_sha):
-            logger.info("JIT cache hit: %s (no nvcc here; matched without the toolchain)", verdict.library.parent.name)
-            return _outcome(verdict, "cached", start, _built_for(verdict), portable=True)
+        # No nvcc, so no full key.
+        hit = _portable_hit(layout, inputs, distrust_sha, start, "no nvcc here")
+        if hit is not None:
+            return hit
         raise JitDisabledError(f"{spec.name}_{arch_tag(arch)}",
                                "no CUDA compiler was found (looked at $CUDA_HOME, $CUDA_PATH, /usr/local/cuda and "
                                "nvcc on PATH)", layout.root, arch, spec.prebuild_options)
@@ -159,13 +169,11 @@ def _ensure(spec: JitSpec, arch: tuple[str, ...], layout: CacheLayout, distrust_
         logger.info("JIT cache hit: %s (built for more archs than %s)", covering.library.parent.name, arch_tag(arch))
         return _outcome(covering, "cached", start, _built_for(covering))
     if config.disable_jit:
-        # A node that may not compile has no use for its own toolchain: as where no nvcc exists, take a
-        # build that matches every other input (one prebuilt on a build machine with another nvcc).
-        portable = find_covering_entry(layout, inputs, portable=True)
-        if _usable(portable, distrust_sha):
-            logger.info("JIT cache hit: %s (FLASH_COMPRESS_DISABLE_JIT=1; matched without the toolchain)",
-                        portable.library.parent.name)
-            return _outcome(portable, "cached", start, _built_for(portable), portable=True)
+        # A node that may not compile has no use for its own toolchain: as where no nvcc exists (a build
+        # prebuilt on a build machine with another nvcc).
+        hit = _portable_hit(layout, inputs, distrust_sha, start, "FLASH_COMPRESS_DISABLE_JIT=1")
+        if hit is not None:
+            return hit
         reason = "FLASH_COMPRESS_DISABLE_JIT=1 forbids compiling"
         if verdict.exists:
             reason += f" (the cached entry is broken: {verdict.problem or 'its library failed to load'})"
