@@ -308,6 +308,7 @@ def test_debug_decode_rejects_values_naming_the_argument(debug_mode):
         fc.decode(buf, inp, ape, i32(0, 4), i32(3, 3))
     with pytest.raises(ValueError, match=r"'load_indices'.*load_indices\[0\] = -1"):
         fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=i32(-1, 1))
+    fc.decode(buf, inp, ape, i32(0, 1), i32(1, 129), load_indices=i32(-1, 7))  # first tokens read no state
     with pytest.raises(ValueError, match=r"'seq_lens'.*>= 1.*seq_lens\[1\] = 0"):
         fc.decode(buf, inp, ape, i32(0, 1), i32(3, 0))
 
@@ -366,15 +367,23 @@ def test_debug_mode_names_the_first_bad_row(debug_mode):
 
 
 def test_debug_prefill_skips_padding_rows_and_checks_slots(debug_mode):
+    """Slots the rows use are checked: ``indices`` where a write row stores, and the slot a row that continues
+    a chunk reads. A load slot no row reads (a new request's, by an engine's convention -1) is not."""
     buf, ape, gen = state_pool(slots=3)
     inp = torch.randn(130, 2 * D, generator=gen)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     plan = fc.plan_prefill(torch.tensor([130]), torch.tensor([130]), device="cpu", use_cuda_graph=True)
-    fc.prefill(buf, inp, ape, torch.tensor([2], dtype=torch.int32), plan)  # padding rows are fine
+    fc.prefill(buf, inp, ape, i32(2), plan)  # padding rows are fine
     with pytest.raises(ValueError, match=r"'indices'.*indices\[0\] = 3"):
-        fc.prefill(buf, inp, ape, torch.tensor([3], dtype=torch.int32), plan)
-    with pytest.raises(ValueError, match=r"'load_indices'"):
-        fc.prefill(buf, inp, ape, torch.tensor([2], dtype=torch.int32), plan,
-                   load_indices=torch.tensor([9], dtype=torch.int32))
+        fc.prefill(buf, inp, ape, i32(3), plan)
+    fc.prefill(buf, inp, ape, i32(2), plan, load_indices=i32(-1))  # from 0: no row reads a prior state
+    continuing = fc.plan_prefill(torch.tensor([140]), torch.tensor([130]), device="cpu")  # from token 10
+    with pytest.raises(ValueError, match=r"'load_indices'.*load_indices\[0\] = -1"):
+        fc.prefill(buf, inp, ape, i32(2), continuing, load_indices=i32(-1))
+    closing = fc.plan_prefill(torch.tensor([256]), torch.tensor([130]), device="cpu")  # no write row
+    fc.prefill(buf, inp, ape, i32(-1), closing, load_indices=i32(0))
+    with pytest.raises(ValueError, match=r"'indices'.*indices\[0\] = -1"):
+        fc.prefill(buf, inp, ape, i32(-1), closing)  # the slot its first row reads
 
 
 def test_debug_prefill_checks_the_gpu_planner_error_flag(debug_mode):
@@ -411,6 +420,55 @@ def test_a_pool_that_requires_grad_is_refused_in_eager_ops_and_compiled_calls():
         with pytest.raises(ValueError, match="argument 'kv_score_buffer': expected a tensor that does not require"):
             call()
         assert torch.equal(buf.detach(), before), name
+
+
+def test_inputs_that_require_grad_leave_the_pool_without_a_gradient():
+    """An ``nn.Parameter`` ape or an input that requires grad: the reference's in-place writes, like the
+    kernels', track no gradient, so the pool stays a plain tensor and the next call runs."""
+    buf, ape, gen = state_pool(slots=4)
+    ape = torch.nn.Parameter(ape)
+    x = torch.randn(2, 2 * D, generator=gen, requires_grad=True)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    for _ in range(2):
+        fc.decode(buf, x, ape, i32(0, 1), i32(3, 3))
+        out, prefix = fc.verify(buf, x, ape, i32(0, 1), i32(3, 3))
+        fc.commit(buf, prefix, i32(0, 1), i32(1, 1))
+        plan = fc.plan_prefill(torch.tensor([3, 3]), torch.tensor([1, 1]), device="cpu")
+        fc.prefill(buf, x, ape, i32(2, 3), plan)
+        assert not buf.requires_grad and buf.grad_fn is None
+        assert not out.requires_grad and not prefix.requires_grad
+
+
+def test_plans_on_another_device_than_the_pool_are_refused_on_the_cpu_too():
+    buf, ape, gen = state_pool(slots=4)
+    x = torch.randn(3, 2 * D, generator=gen)
+    plan = fc.plan_prefill(torch.tensor([3]), torch.tensor([3]), device="meta")
+    with pytest.raises(ValueError, match=r"argument 'compress_plan': expected device cpu like kv_score_buffer, "
+                                         r"got meta"):
+        fc.prefill(buf, x, ape, torch.tensor([0], dtype=torch.int32), plan)
+
+
+def test_debug_mode_checks_the_planner_flag_through_the_ops_as_in_eager(debug_mode):
+    """Under torch.compile (and for a pool of a tensor subclass) the call goes through the op, which gets
+    the plan's counts too."""
+    buf, ape, gen = state_pool()
+    inp = torch.randn(4, 2 * D, generator=gen)
+    pad = torch.full((4, ROW_BYTES), 0xFF, dtype=torch.uint8)
+    flagged = fc.PrefillPlan(pad, pad.clone(), 4, 4, True, counts=torch.tensor([0, 0, 2], dtype=torch.int32))
+    slots = torch.tensor([0], dtype=torch.int32)
+    compiled = torch.compile(lambda: fc.prefill(buf, inp, ape, slots, flagged), backend="eager", fullgraph=True)
+    for call in (compiled, lambda: fc.prefill(torch.nn.Buffer(buf), inp, ape, slots, flagged)):
+        with pytest.raises(ValueError, match=r"argument 'plan'.*error flag 2"):
+            call()
+
+
+def test_use_pdl_takes_a_bool_or_none_and_names_anything_else():
+    from flash_compress.c128_online import resolve_use_pdl
+
+    assert resolve_use_pdl(None, ("9.0",)) is True and resolve_use_pdl(0, ("9.0",)) is False
+    for bad in ("false", "no", 2):
+        with pytest.raises(TypeError, match=r"use_pdl: expected True, False or None"):
+            resolve_use_pdl(bad, ("9.0",))
 
 
 def test_debug_mode_names_the_slot_races_the_kernels_cannot_see(debug_mode):
@@ -547,7 +605,7 @@ def test_tensors_without_data_go_through_the_ops_fake_kernels():
 
     def step(buf, x, ape, indices, seq_lens):
         out, prefix = fc.verify(buf, x, ape, indices, seq_lens)
-        fc.commit(buf, prefix, indices, i32(1, 1))
+        fc.commit(buf, prefix, indices, torch.ones_like(indices))  # on the pool's device, as every tensor
         return fc.decode(buf, x, ape, indices, seq_lens + 1), out
 
     traced = make_fx(step, tracing_mode="fake")(*args)
@@ -558,6 +616,9 @@ def test_tensors_without_data_go_through_the_ops_fake_kernels():
         assert rows.shape == (2, D) and out.shape == (2, D)
     rows, out = step(*(a.to("meta") for a in args))
     assert rows.is_meta and rows.shape == (2, D)
+    # A meta pool with real inputs (a model built on meta, its pool never materialised) is refused, not a no-op.
+    with pytest.raises(ValueError, match=r"argument 'kv_score_input': expected device meta like kv_score_buffer"):
+        fc.decode(pool.to("meta"), *args[1:])
 
 
 def test_torch_compile_fullgraph_calls_the_ops_and_matches_eager():

@@ -258,11 +258,15 @@ def test_a_refused_decode_move_leaves_the_pool_alone(gpu):
         "'kv_score_input'": dict(kv_score_input=inp[:, :d].contiguous()),
         "'ape'": dict(ape=ape[:64]),
     }
+    # Index columns of one [B, 2] tensor: the move reads them in full.
+    columns = torch.tensor([[0, 3], [1, 3]], dtype=torch.int32, device=DEV)
+    bad["'seq_lens'.*contiguous"] = dict(seq_lens=columns[:, 1])
+    bad["'indices'.*contiguous"] = dict(indices=columns[:, 0])
     for message, change in bad.items():
-        args = {"kv_score_input": inp, "ape": ape, "out": None, **change}
+        args = {"kv_score_input": inp, "ape": ape, "out": None, "indices": i32(0, 1), "seq_lens": i32(3, 3), **change}
         with pytest.raises((TypeError, ValueError), match=message):
-            fc.decode(buf, args["kv_score_input"], args["ape"], i32(0, 1), i32(3, 3), load_indices=i32(2, 3),
-                      out=args["out"])
+            fc.decode(buf, args["kv_score_input"], args["ape"], args["indices"], args["seq_lens"],
+                      load_indices=i32(2, 3), out=args["out"])
         assert torch.equal(buf, before), message
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .plan_rows import CHUNK_SIZE, PlanError, check_rows, is_plan_tensor
+from .plan_rows import CHUNK_SIZE, PlanError, check_rows, continues_chunk, is_plan_tensor
 
 __all__ = ["check_commit", "check_decode", "check_planner_flag", "check_prefill", "check_verify", "enabled"]
 
@@ -41,31 +41,32 @@ else:  # not CPython's os.environ: take the portable, slower road
         return os.environ.get(_VAR, "").lower() not in _OFF
 
 
-def _check_values(values: object, name: str, low: int, high: Optional[int], expected: str) -> None:
+def _check_values(values: object, name: str, low: int, high: Optional[int], expected: str,
+                  used: Optional[list[bool]] = None) -> None:
     """Every value of the ``[B]`` tensor ``values`` in ``[low, high]`` (``high`` None: no upper bound), or
-    ValueError naming the first that is not, saying ``expected ...``."""
+    ValueError naming the first that is not, saying ``expected ...``; only those whose ``used`` is true
+    where that is given (the others the kernels never read)."""
     if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.numel() == 0:
         return  # the kernels' own checks name a wrong type or rank; an empty batch has nothing to check
     host = values.detach().to("cpu", torch.int64)
     bad = host < low if high is None else (host < low) | (host > high)
+    if used is not None:
+        if len(used) != len(bad):
+            return  # a length the kernels' own checks name
+        bad &= torch.tensor(used, dtype=torch.bool)
     if bool(bad.any()):
         b = int(bad.nonzero()[0, 0])
         raise ValueError(f"argument '{name}': expected {expected}, got {name}[{b}] = {int(host[b])}")
 
 
-def _check_slots(indices: torch.Tensor, name: str, num_slots: int) -> None:
-    _check_values(indices, name, 0, num_slots - 1,
-                  f"every slot in [0, {num_slots}) (kv_score_buffer has {num_slots} slots)")
-
-
-def _check_slot_arguments(kv_score_buffer: torch.Tensor, indices: torch.Tensor,
-                          load_indices: Optional[torch.Tensor]) -> None:
+def _check_slots(kv_score_buffer: torch.Tensor, indices: torch.Tensor, name: str,
+                 used: Optional[list[bool]] = None) -> None:
+    """The slots a call reads or writes (``used``, by default all of them) are in the pool."""
     if not isinstance(kv_score_buffer, torch.Tensor) or kv_score_buffer.dim() != 3:
         return  # the kernels' own checks name it
     num_slots = kv_score_buffer.shape[0]
-    _check_slots(indices, "indices", num_slots)
-    if load_indices is not None:
-        _check_slots(load_indices, "load_indices", num_slots)
+    _check_values(indices, name, 0, num_slots - 1,
+                  f"every slot in [0, {num_slots}) (kv_score_buffer has {num_slots} slots)", used)
 
 
 def _check_distinct(slots: list[int], requests: list[int], name: str, what: str) -> None:
@@ -85,10 +86,14 @@ def check_decode(
     seq_lens: torch.Tensor,
     load_indices: Optional[torch.Tensor],
 ) -> None:
-    """Slots in range, every ``seq_len >= 1`` (the new token's position is ``seq_len - 1``), and no slot shared
-    by two requests (each reads and writes its own)."""
-    _check_slot_arguments(kv_score_buffer, indices, load_indices)
+    """Slots in range (a ``load_indices`` slot where the token continues a chunk: one that starts a chunk
+    reads no prior state), every ``seq_len >= 1`` (the new token's position is ``seq_len - 1``), and no slot
+    shared by two requests (each reads and writes its own)."""
+    _check_slots(kv_score_buffer, indices, "indices")
     _check_values(seq_lens, "seq_lens", 1, None, "every seq_len >= 1")
+    if load_indices is not None and isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 1:
+        continues = [(n - 1) % CHUNK_SIZE != 0 for n in seq_lens.tolist()]
+        _check_slots(kv_score_buffer, load_indices, "load_indices", continues)
     if isinstance(indices, torch.Tensor) and indices.dim() == 1:
         _check_distinct(indices.tolist(), list(range(indices.shape[0])), "indices",
                         "two requests on one slot race")
@@ -110,7 +115,7 @@ def check_verify(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, in
                  seq_lens: torch.Tensor) -> None:
     """Slots in range and every ``seq_len >= T`` (the window's first token is at ``seq_len - T``): the kernel
     skips a request that breaks either."""
-    _check_slot_arguments(kv_score_buffer, indices, None)
+    _check_slots(kv_score_buffer, indices, "indices")
     window = _window(_rows(kv_score_input), indices)
     if window:
         _check_values(seq_lens, "seq_lens", window, None, f"every seq_len >= T = {window} (the tokens per request)")
@@ -120,7 +125,7 @@ def check_commit(kv_score_buffer: torch.Tensor, prefix_states: torch.Tensor, ind
                  accept_lens: torch.Tensor) -> None:
     """Slots in range and every accepted length in ``[0, T]`` (0 keeps nothing, as for a request verify
     skipped); the kernel skips a request with a slot outside the pool or a length outside ``[1, T]``."""
-    _check_slot_arguments(kv_score_buffer, indices, None)
+    _check_slots(kv_score_buffer, indices, "indices")
     window = _window(_rows(prefix_states), indices)
     if window:
         _check_values(accept_lens, "accept_lens", 0, window, f"every accepted length in [0, T = {window}]")
@@ -147,15 +152,26 @@ def check_prefill(
     write_plan: torch.Tensor,
     load_indices: Optional[torch.Tensor],
 ) -> None:
-    """Slots in range; every non-padding plan row inside the input and the batch, of its pass's kind; no two
-    write rows storing to one slot, and no write row reading a slot another one stores to."""
-    _check_slot_arguments(kv_score_buffer, indices, load_indices)
+    """Every non-padding plan row inside the input and the batch, of its pass's kind; the slots its rows use in
+    the pool (``indices`` where a write row stores, the slot a row that continues a chunk reads its prior
+    state from); no two write rows storing to one slot, and no write row reading a slot another one stores to."""
     if not (isinstance(indices, torch.Tensor) and indices.dim() == 1
             and isinstance(kv_score_input, torch.Tensor) and kv_score_input.dim() == 2):
         return  # the kernels' own checks name them; the rows cannot be judged against the call without them
     batch, num_tokens = indices.shape[0], kv_score_input.shape[0]
-    _check_plan(compress_plan, "compress_plan", num_tokens, batch, compress=True)
+    compress_rows = _check_plan(compress_plan, "compress_plan", num_tokens, batch, compress=True)
     write_rows = _check_plan(write_plan, "write_plan", num_tokens, batch, compress=False)
+    stores_state, reads_state = [False] * batch, [False] * batch  # per request
+    for rows in (r for r in (compress_rows, write_rows) if r is not None):
+        for _, b, position, window_len in rows.tolist():
+            reads_state[b] |= continues_chunk(position, window_len)
+    for row in write_rows.tolist() if write_rows is not None else ():
+        stores_state[row[1]] = True
+    if load_indices is None:
+        _check_slots(kv_score_buffer, indices, "indices", [s or r for s, r in zip(stores_state, reads_state)])
+    else:
+        _check_slots(kv_score_buffer, indices, "indices", stores_state)
+        _check_slots(kv_score_buffer, load_indices, "load_indices", reads_state)
     if write_rows is None or not len(write_rows):
         return
     # The write pass runs its rows at once: each reads its request's prior state (a segment that starts
@@ -170,8 +186,7 @@ def check_prefill(
     written = {stores[b]: b for b in writers}
     for row in write_rows.tolist():
         _, b, position, window_len = row
-        reads_prior = position % CHUNK_SIZE + 1 > window_len
-        if reads_prior and written.get(loads[b], b) != b:
+        if continues_chunk(position, window_len) and written.get(loads[b], b) != b:
             other = written[loads[b]]
             raise ValueError(f"argument 'load_indices': expected no request to read a slot another request of the "
                              f"call writes (the write pass reads and stores at once), got load_indices[{b}] = "

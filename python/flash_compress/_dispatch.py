@@ -138,6 +138,8 @@ def _check_move_arguments(kv_score_buffer: torch.Tensor, kv_score_input: torch.T
         if t.device != kv_score_buffer.device:
             raise ValueError(f"argument '{name}': expected device {kv_score_buffer.device} like kv_score_buffer, "
                              f"got {t.device}")
+        if t.is_cuda:  # the dry call sees it empty, which passes any layout: the move reads it in full
+            check_contiguous(t, name)
     for name, t in (("kv_score_input", kv_score_input), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
@@ -251,11 +253,14 @@ def prefill_into(
     load_indices: Optional[torch.Tensor] = None,
     use_pdl: Optional[bool] = None,
     compact: bool = False,
+    plan_counts: Optional[torch.Tensor] = None,
 ) -> None:
     """A planned prefill into ``out`` (``[N, D]``, or ``[compress_plan rows, D]`` when ``compact``), by the
-    compiled kernels (CUDA) or the reference (CPU)."""
+    compiled kernels (CUDA) or the reference (CPU). ``plan_counts``: a GPU-made plan's counts, which debug
+    mode checks for the planner's error flag."""
     module = _compiled(kv_score_buffer, ape, use_pdl)
     if _debug.enabled():
+        _debug.check_planner_flag(plan_counts)
         _debug.check_prefill(kv_score_buffer, kv_score_input, indices, compress_plan, write_plan, load_indices)
     run = module.run_prefill_compact if compact else module.run_prefill
     with _naming_non_tensors(_PREFILL_NAMES, locals()):

@@ -28,7 +28,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _debug, _dispatch
+from . import _dispatch
 from ._arguments import check_flag
 from . import ops as _ops  # registers torch.ops.flash_compress.{decode,prefill,verify,commit}
 from .host_planner import check_lengths, plan_tensors, planned_tokens
@@ -250,14 +250,13 @@ def prefill(
     compact = check_flag(compact, "compact")
     if out is None:
         out = _dispatch.new_output(kv_score_input, ape, compress_plan.shape[0] if compact else None)
+    # A GPU-made plan's counts go along for debug mode's check of the planner's error flag.
     if _through_ops(kv_score_buffer):
         torch.ops.flash_compress.prefill(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan,
-                                         load_indices, use_pdl, compact)
+                                         load_indices, use_pdl, compact, plan.counts)
         return out
-    if plan.counts is not None and _debug.enabled():
-        _debug.check_planner_flag(plan.counts)
     _dispatch.prefill_into(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan,
-                           load_indices, use_pdl, compact)
+                           load_indices, use_pdl, compact, plan.counts)
     return out
 
 

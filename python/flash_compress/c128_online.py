@@ -67,6 +67,8 @@ def check_arch_list(arch_list: tuple[str, ...]) -> None:
 
 def resolve_use_pdl(use_pdl: bool | None, arch_list: tuple[str, ...]) -> bool:
     """``None`` means on when every target arch is sm_90 or newer (PDL needs it)."""
+    if use_pdl is not None and (isinstance(use_pdl, str) or use_pdl not in (True, False)):  # "false" is truthy
+        raise TypeError(f"use_pdl: expected True, False or None, got {use_pdl!r}")
     oldest = min(_arch_number(arch) for arch in arch_list)
     if use_pdl is None:
         return oldest >= 9.0

@@ -3,7 +3,7 @@
 - ``torch.ops.flash_compress.decode(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens,
   load_indices=None, use_pdl=None) -> ()``
 - ``torch.ops.flash_compress.prefill(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan,
-  write_plan, load_indices=None, use_pdl=None, compact=False) -> ()``
+  write_plan, load_indices=None, use_pdl=None, compact=False, plan_counts=None) -> ()``
 
 - ``torch.ops.flash_compress.verify(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens,
   prefix_states, use_pdl=None) -> ()``
@@ -12,13 +12,17 @@
 Each mutates its outputs in place (decode and prefill: ``kv_score_buffer`` and
 ``out``; verify: ``out`` and ``prefix_states``, never the pool; commit:
 ``kv_score_buffer``) and returns nothing (an op may not return an alias of its
-input), so their fake kernels have nothing to describe. Their bodies are :mod:`flash_compress._dispatch`'s, whose signatures
-are the schemas. :func:`flash_compress.decode` / :func:`flash_compress.prefill`
+input), so their fake kernels have nothing to describe; they check only that every tensor is on the
+pool's device (a meta pool with real inputs would otherwise pass as a no-op). Their bodies are
+:mod:`flash_compress._dispatch`'s, whose signatures are the schemas. :func:`flash_compress.decode` / :func:`flash_compress.prefill`
 call the ops when traced by ``torch.compile`` and the kernels directly in eager
 mode, where a custom op's dispatch would cost several microseconds per call.
 """
 
 from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
 
 import torch
 
@@ -35,10 +39,21 @@ verify = torch.library.custom_op("flash_compress::verify", _dispatch.verify_into
 commit = torch.library.custom_op("flash_compress::commit", _dispatch.commit_into, mutates_args=("kv_score_buffer",))
 
 
-def _in_place_only(*args: object, **kwargs: object) -> None:
-    """The fake kernel of every op: they create no tensor, so there is no output to describe."""
-    return None
+def _in_place_only(impl: Callable[..., None]) -> Callable[..., None]:
+    """The fake kernel of ``impl``'s op: the op creates no tensor, so there is no output to describe, but
+    its tensors must share the pool's device (its first argument), as the real kernels check."""
+    signature = inspect.signature(impl)
+
+    def fake(*args: object, **kwargs: object) -> None:
+        (pool_name, pool), *others = signature.bind(*args, **kwargs).arguments.items()
+        for name, value in others:
+            if isinstance(value, torch.Tensor) and value.device != pool.device:
+                raise ValueError(f"argument '{name}': expected device {pool.device} like {pool_name}, "
+                                 f"got {value.device}")
+
+    return fake
 
 
-for _op in (decode, prefill, verify, commit):
-    _op.register_fake(_in_place_only)
+for _op, _impl in ((decode, _dispatch.decode_into), (prefill, _dispatch.prefill_into),
+                   (verify, _dispatch.verify_into), (commit, _dispatch.commit_into)):
+    _op.register_fake(_in_place_only(_impl))

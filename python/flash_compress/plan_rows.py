@@ -84,6 +84,12 @@ def is_plan_tensor(plan: object) -> bool:
     )
 
 
+def continues_chunk(position, window_len):
+    """Whether a row's segment (its last token at ``position``, ``window_len`` tokens) starts mid-chunk, so
+    that it continues the request's stored state and reads it. Ints, or int tensors element-wise."""
+    return position % CHUNK_SIZE + 1 > window_len
+
+
 def check_plan_tensor(plan: object, name: str) -> None:
     """Raises TypeError (not a tensor, not uint8) or ValueError (shape) naming argument ``name``
     unless ``plan`` is a plan tensor (:func:`is_plan_tensor`)."""

@@ -62,7 +62,9 @@ import torch
 from . import c128_online
 from ._arguments import check_apart, check_flag
 from .host_planner import plan_online_prefill, plan_segments
-from .plan_rows import CHUNK_SIZE, PADDING_ROW, check_plan_tensor, decode_rows, live_rows, row_problems
+from .plan_rows import (
+    CHUNK_SIZE, PADDING_ROW, check_plan_tensor, continues_chunk, decode_rows, live_rows, row_problems,
+)
 
 __all__ = [
     "MAX_VERIFY_TOKENS",
@@ -81,6 +83,11 @@ __all__ = [
 STATE_DTYPES = tuple(getattr(torch, name) for name in c128_online.STATE_DTYPES)
 #: Most tokens per request one verify step takes (SPEC section 9).
 MAX_VERIFY_TOKENS = 16
+
+
+#: The run_* functions update their tensors in place and have no gradient, as the kernels: an input that
+#: requires grad (an ``nn.Parameter`` ape) must not leave the pool tracking one.
+_without_autograd = torch.no_grad()
 
 
 # ---------------------------------------------------------------------------
@@ -177,11 +184,15 @@ def _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, 
             f"argument 'kv_compressed_output': expected shape {expected}, "
             f"got {list(kv_compressed_output.shape)}"
         )
-    device = kv_score_buffer.device
     for name, t in tensors.items():
-        if t.device != device:
-            raise ValueError(f"argument '{name}': expected device {device} like kv_score_buffer, got {t.device}")
+        _on_device(t, name, kv_score_buffer.device)
     return d
+
+
+def _on_device(t: torch.Tensor, name: str, device: torch.device) -> None:
+    """ValueError naming ``name`` unless ``t`` is on the pool's ``device``, as the exports raise."""
+    if t.device != device:
+        raise ValueError(f"argument '{name}': expected device {device} like kv_score_buffer, got {t.device}")
 
 
 def _check_state_dtype(kv_score_buffer: torch.Tensor) -> None:
@@ -203,8 +214,7 @@ def _index_vector(t, name: str, device, batch: Optional[int] = None, *, like: st
     if t.dim() != 1 or (batch is not None and t.shape[0] != batch):
         want = "[B]" if batch is None else f"[{batch}]" + (f" like {like}" if like else "")
         raise ValueError(f"argument '{name}': expected shape {want}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"argument '{name}': expected device {device} like kv_score_buffer, got {t.device}")
+    _on_device(t, name, device)
     return t.shape[0]
 
 
@@ -218,6 +228,7 @@ def _in_pool(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
+@_without_autograd
 def run_decode(
     kv_score_buffer: torch.Tensor,
     kv_score_input: torch.Tensor,
@@ -301,8 +312,7 @@ def _runnable_rows(plan: torch.Tensor, *, compress: bool, num_tokens: int, indic
     if not bool(keep.any()):  # also every row of an empty batch
         return rows[keep], where[keep]
     batch_id = torch.where(keep, rows[:, 1], 0)  # in range wherever keep holds
-    starts_mid_chunk = (rows[:, 2] % CHUNK_SIZE) + 1 != rows[:, 3]
-    keep &= ~starts_mid_chunk | _in_pool(load_indices.cpu()[batch_id], num_slots)
+    keep &= ~continues_chunk(rows[:, 2], rows[:, 3]) | _in_pool(load_indices.cpu()[batch_id], num_slots)
     if not compress:
         keep &= _in_pool(indices.cpu()[batch_id], num_slots)
     return rows[keep], where[keep]
@@ -323,6 +333,7 @@ def _prefill_row_state(row, x: torch.Tensor, ape64: torch.Tensor, kv_score_buffe
     return state
 
 
+@_without_autograd
 def run_prefill(
     kv_score_buffer: torch.Tensor,
     kv_score_input: torch.Tensor,
@@ -365,6 +376,7 @@ def run_prefill(
              load_indices, compact=False, exact_bf16_stores=exact_bf16_stores)
 
 
+@_without_autograd
 def run_prefill_compact(
     kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, kv_compressed_output: torch.Tensor,
     ape: torch.Tensor, indices: torch.Tensor, compress_plan: torch.Tensor, write_plan: torch.Tensor,
@@ -398,8 +410,9 @@ def _prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices
     batch = _index_vector(indices, "indices", device)
     if load_indices is not None:
         _index_vector(load_indices, "load_indices", device, batch, like="indices")
-    check_plan_tensor(compress_plan, "compress_plan")
-    check_plan_tensor(write_plan, "write_plan")
+    for name, plan in (("compress_plan", compress_plan), ("write_plan", write_plan)):
+        check_plan_tensor(plan, name)
+        _on_device(plan, name, device)
     check_apart([("kv_score_buffer", kv_score_buffer, True), ("kv_score_input", kv_score_input, False),
                  ("kv_compressed_output", kv_compressed_output, True), ("ape", ape, False),
                  ("indices", indices, False), ("load_indices", load_indices, False),
@@ -483,6 +496,7 @@ def _tokens_per_request(rows: int, batch: int, name: str) -> int:
     return window
 
 
+@_without_autograd
 def run_verify(
     kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, kv_compressed_output: torch.Tensor,
     ape: torch.Tensor, indices: torch.Tensor, seq_lens: torch.Tensor, prefix_states: torch.Tensor, *,
@@ -551,6 +565,7 @@ def run_verify(
         kv_compressed_output[out_rows] = row.to(kv_compressed_output.dtype)
 
 
+@_without_autograd
 def run_commit(
     kv_score_buffer: torch.Tensor,
     prefix_states: torch.Tensor,
