@@ -228,13 +228,42 @@ def test_decode_moves_skip_bad_slots_as_a_prefill_does():
         assert torch.equal(got_buf[slot], buf[slot]) and torch.equal(want_buf[slot], buf[slot])
     assert torch.equal(got_buf[7], buf[6])  # the closing request's state moved; decode leaves it there
 
-    # No request moves: slot 0 is copied onto itself, bit for bit. A seq_len below 1 (the kernel skips the
-    # request) moves nothing either.
+    # No request moves: one of the call's slots is copied onto itself, bit for bit. A seq_len below 1 (the
+    # kernel skips the request) moves nothing either.
     for load, seq in (([-5, 2**31 - 1], [5, 6]), ([2, 3], [0, -7])):
         got_buf = buf.clone()
         fc.decode(got_buf, inp[:2], ape, torch.tensor([0, 1], dtype=torch.int32), torch.tensor(seq, dtype=torch.int32),
                   load_indices=torch.tensor(load, dtype=torch.int32), out=torch.full((2, D), float("nan")))
         assert torch.equal(got_buf.view(torch.int32), buf.view(torch.int32)), (load, seq)
+
+
+def test_a_decode_move_writes_no_slot_outside_the_call():
+    """Another stream may be writing any slot the call does not name: the move's scatter, which has a row per
+    request whatever moves, writes only slots of the call (slot 0 only where the call names no slot in the
+    pool)."""
+    from torch.overrides import TorchFunctionMode
+
+    class ScatterTargets(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.targets = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.index_copy_:
+                self.targets += args[2].tolist()
+            return func(*args, **(kwargs or {}))
+
+    buf, ape, gen = state_pool(slots=8)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    for indices, load, seq, allowed in (([3, 4], [3, 4], [5, 6], {3, 4}),      # nothing moves: reads in place
+                                        ([5, 6], [1, 2], [1, 129], {5, 6}),    # first tokens: nothing to move
+                                        ([-1, 9], [1, 2], [5, 6], {0}),        # no slot of the call in the pool
+                                        ([5, 6], [1, 2], [5, 129], {5})):      # one moves
+        inp = torch.randn(2, 2 * D, generator=gen)
+        with ScatterTargets() as mode:
+            fc.decode(buf, inp, ape, i32(*indices), i32(*seq), load_indices=i32(*load),
+                      out=torch.full((2, D), float("nan")))
+        assert mode.targets and set(mode.targets) <= allowed, (indices, mode.targets)
 
 
 def test_decode_move_arguments_are_checked_before_the_pool_is_touched():

@@ -171,7 +171,8 @@ def relocate_states(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_i
     slot is outside the pool, and that needs a prior state, is skipped (its
     returned slot is -1, which the kernel skips, as a prefill skips such a
     row); a target outside the pool is skipped by the kernel itself. Nothing
-    outside the pool is read or written.
+    outside the pool is read or written, nor any slot the call does not name
+    (but slot 0, where it names none in the pool), which another stream may own.
     """
     num_slots = kv_score_buffer.shape[0]
     fresh = (seq_lens.to(torch.int64) - 1) % CHUNK_SIZE == 0
@@ -179,12 +180,16 @@ def relocate_states(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_i
     move = load_ok & (indices >= 0) & (indices < num_slots) & ~fresh & (seq_lens >= 1)  # what the kernel runs
     if num_slots and indices.numel():
         # Requests that move nothing copy what another move copies (the same bytes to the same slot, so the
-        # duplicate writes agree), or slot 0 onto itself when none moves: every index stays in the pool.
-        first = torch.argmax(move.to(torch.int32)).reshape(1)  # a tensor index: slicing with it would sync
+        # duplicate writes agree); when none moves, a slot of this call (slot 0 only if it names none) onto
+        # itself, so that no other request's slot is written: every index stays in the pool. Tensor
+        # indices: slicing with them would sync.
+        first_move = torch.argmax(move.to(torch.int32)).reshape(1)
+        in_pool = (indices >= 0) & (indices < num_slots)
+        own = torch.where(in_pool.any(), indices[torch.argmax(in_pool.to(torch.int32)).reshape(1)],
+                          torch.zeros_like(indices[:1]))
         any_move = move.any()
-        zero = torch.zeros_like(indices[:1])
-        target = torch.where(move, indices, torch.where(any_move, indices[first], zero))
-        source = torch.where(move, load_indices, torch.where(any_move, load_indices[first], zero))
+        target = torch.where(move, indices, torch.where(any_move, indices[first_move], own))
+        source = torch.where(move, load_indices, torch.where(any_move, load_indices[first_move], own))
         kv_score_buffer.index_copy_(0, target.to(torch.int64), kv_score_buffer[source.to(torch.int64)])
     return torch.where(load_ok | fresh, indices, torch.full_like(indices, -1))
 
