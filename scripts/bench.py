@@ -206,10 +206,10 @@ class Traffic:
         return self.float_bytes + self.state_values * torch.empty(0, dtype=state_dtype).element_size()
 
 
-def plan(module, extend_lens, seq_lens, use_cuda_graph):
-    """Both plans of a prefill, made by ``module``'s host planner, on the GPU."""
+def plan(module, extend_lens, seq_lens, use_cuda_graph, device="cuda"):
+    """Both plans of a prefill, made by ``module``'s host planner, on ``device``."""
     compress_plan, write_plan = plan_tensors(module, extend_lens, seq_lens, use_cuda_graph)
-    return compress_plan.cuda(), write_plan.cuda()
+    return compress_plan.to(device), write_plan.to(device)
 
 
 def case_lengths(batch, extend, random_prefix, gen, singles=0) -> tuple[list[int], list[int]]:
@@ -220,24 +220,26 @@ def case_lengths(batch, extend, random_prefix, gen, singles=0) -> tuple[list[int
     return prefixes, [extend] * batch + [1] * singles
 
 
-def prefill_case(module, head_dim, batch, extend, random_prefix, gen, singles=0):
-    """The tensors, exact and padded plans and bytes of a `case_lengths` case, planned by `module`."""
+def prefill_case(module, head_dim, batch, extend, random_prefix, gen, singles=0, device="cuda"):
+    """The tensors, exact and padded plans and bytes of a `case_lengths` case, planned by `module`, on
+    `device`. The bytes are those "% of copy" counts (docs/PERFORMANCE.md, Method): token rows, output
+    rows, prior states read and states written; ape rows, plan rows and index vectors are left out."""
     prefixes, extends = case_lengths(batch, extend, random_prefix, gen, singles)
     batch += singles
     seq_lens = [p + e for p, e in zip(prefixes, extends)]
     rows = sum(extends)
     slots = batch
     data = {
-        "state": torch.randn(slots, 1, 3 * head_dim, device="cuda"),
-        "input": torch.randn(rows, 2 * head_dim, device="cuda"),
-        "out": torch.empty(rows, head_dim, device="cuda"),
-        "ape": torch.randn(CHUNK_SIZE, head_dim, device="cuda"),
-        "indices": torch.arange(batch, dtype=torch.int32, device="cuda"),
+        "state": torch.randn(slots, 1, 3 * head_dim, device=device),
+        "input": torch.randn(rows, 2 * head_dim, device=device),
+        "out": torch.empty(rows, head_dim, device=device),
+        "ape": torch.randn(CHUNK_SIZE, head_dim, device=device),
+        "indices": torch.arange(batch, dtype=torch.int32, device=device),
         "seq_lens": seq_lens,
         "extends": extends,
     }
-    exact = plan(module, extends, seq_lens, False)
-    padded = plan(module, extends, seq_lens, True)
+    exact = plan(module, extends, seq_lens, False, device)
+    padded = plan(module, extends, seq_lens, True, device)
     num_closed = exact[0].shape[0]
     prior_reads = sum(1 for p in prefixes if p % CHUNK_SIZE)
     state_writes = exact[1].shape[0]
@@ -503,9 +505,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    tables = {}
+    tables, ceilings = {}, {}
     for head_dim in args.head_dim:
-        rows, ceiling = run(argparse.Namespace(**{**vars(args), "head_dim": head_dim}))
+        rows, ceilings[head_dim] = run(argparse.Namespace(**{**vars(args), "head_dim": head_dim}))
         tables[head_dim] = [asdict(r) for r in rows]
         spread = args.rounds > 1  # each row's fastest and slowest round beside the median
         print(f"\nhead_dim {head_dim}\n{'case':34} {'impl':28} {'us':>10} {'GB/s':>8} {'% copy':>7}"
@@ -521,7 +523,8 @@ def main() -> int:
     for r in planner:
         print(f"{r['case']:34} {r['impl']:28} {r['us']:10.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": ceiling,
+        # Each head_dim's table is measured against the copy rate of its own run.
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbps": ceilings,
                                                "rounds": args.rounds, "tables": tables, "planner": planner},
                                               indent=2))
     return 0

@@ -52,12 +52,15 @@ def main() -> int:
     timed = {case: per_impl for case, per_impl in
              bench_variants.cases(impls, args.head_dim, False, state_dtypes, prefill_only=True).items()
              if case.endswith(" in graph") and " graph-plan " not in case}  # exact plans
+    rows = [(case, impl, call, launches) for case, per_impl in timed.items()
+            for impl, (call, _, launches) in per_impl.items()]
+    # bench.py's rounds, forwards then backwards: neither design always runs first.
+    results = bench.timed_in_rounds(
+        [lambda call=call, launches=launches: bench.graph_median_ms(call, launches=launches, iters=20) * 1e3
+         for _, _, call, launches in rows], args.rounds)
     timings: dict[str, dict[str, list[float]]] = {}
-    for _ in range(args.rounds):
-        for case, per_impl in timed.items():
-            for impl, (call, _, launches) in per_impl.items():
-                us = bench.graph_median_ms(call, launches=launches, iters=20) * 1e3
-                timings.setdefault(case, {}).setdefault(impl, []).append(us)
+    for (case, impl, _, _), us in zip(rows, results):
+        timings.setdefault(case, {})[impl] = us
     print(f"head_dim {args.head_dim}, {args.state_dtype} state (ours), in graph, us")
     for case, per_impl in timings.items():
         ours, ref = statistics.median(per_impl["ours"]), statistics.median(per_impl["reference"])

@@ -207,10 +207,11 @@ def compare_results(expected: list[torch.Tensor], got: list[torch.Tensor], rtol:
     return (True, f"close (max err {worst:.1e})") if worst <= rtol else different
 
 
-def check_variants(impls: dict, head_dim: int, state_dtype: torch.dtype, close: bool = False) -> int:
-    """Runs the tree and every variant on the same inputs; prints, per case and variant, whether
-    states and outputs are bitwise identical (or, with ``close``, within ``CLOSE_RTOL``); returns the
-    number of differing (case, variant)."""
+def check_variants(impls: dict, head_dim: int, state_dtype: torch.dtype, close: bool = False,
+                   decode_batches: Sequence[int] = bench.DECODE_BATCHES) -> int:
+    """Runs the tree and every variant on the same inputs, each prefill on the plans of its own planner
+    (as ``cases`` times it); prints, per case and variant, whether states and outputs are bitwise
+    identical (or, with ``close``, within ``CLOSE_RTOL``); returns the number of differing (case, variant)."""
     variants = {name: m for name, m in impls.items() if name not in ("tree", "reference")}
     gen = torch.Generator().manual_seed(1)
     differing = 0
@@ -235,9 +236,8 @@ def check_variants(impls: dict, head_dim: int, state_dtype: torch.dtype, close: 
             d["state"] = torch.randn(2 * requests, 1, 3 * head_dim, device="cuda")
             load_indices = (requests + torch.randperm(requests, generator=gen)).to(torch.int32).cuda()
         for padded in (False, True):
-            plans = bench.plan(impls["tree"], d["extends"], d["seq_lens"], padded)
-
-            def run(m, d=d, plans=plans, load_indices=load_indices):
+            def run(m, d=d, padded=padded, load_indices=load_indices):
+                plans = bench.plan(m, d["extends"], d["seq_lens"], padded)
                 state = d["state"].to(state_dtype, copy=True)
                 out = torch.full_like(d["out"], float("nan"))
                 for _ in range(2):  # the second call starts from the states the first one stored
@@ -246,7 +246,7 @@ def check_variants(impls: dict, head_dim: int, state_dtype: torch.dtype, close: 
                 return state, out
 
             compare(f"prefill {name}" + (" graph-plan" if padded else ""), run)
-    for batch in bench.DECODE_BATCHES:
+    for batch in decode_batches:
         args, _ = bench.decode_case(head_dim, batch)
 
         def run(m, args=args):
@@ -323,7 +323,8 @@ def main() -> int:
             impls = {name: future.result() for name, future in futures.items()}
     same_dtype = {name: m for name, m in impls.items() if state_dtypes[name] == state_dtypes["tree"]}
     check = args.check or args.check_close
-    if check and check_variants(same_dtype, args.head_dim, state_dtypes["tree"], close=args.check_close):
+    if check and check_variants(same_dtype, args.head_dim, state_dtypes["tree"], close=args.check_close,
+                                decode_batches=args.decode_batches):
         print("check: variants differ from the tree (above); nothing timed", file=sys.stderr)
         return 1
     timed = cases(impls, args.head_dim, args.decode_only, state_dtypes, args.per_pass,

@@ -184,6 +184,39 @@ def test_bench_variants_takes_kernel_files_or_a_whole_checkout(tmp_path):
     assert (kernels / "c128_decode.cuh").read_text() == (script.KERNEL_DIR / "c128_decode.cuh").read_text()
 
 
+def test_the_bytes_behind_percent_of_copy_match_a_walk_over_the_tokens():
+    """PERFORMANCE.md's "% of copy" counts, for every bench.py and bench_shapes.py prefill case and decode
+    batch, against a walk over each request's tokens: its token rows, an output row per token that closes a
+    chunk, a prior state read where it starts mid-chunk, a state written where it ends mid-chunk (decode: the
+    state read unless the token starts a chunk, then the state written or, for a closing token, the row)."""
+    import torch
+
+    shapes = load_script("bench_shapes")
+    bench = shapes.bench  # imported as a module (its dataclasses need one)
+    from flash_compress import reference
+
+    d, chunk = 64, 128  # the counts scale with D; a small D keeps the CPU tensors small
+    for cases in (bench.PREFILL_CASES, shapes.SHAPES):
+        for name, batch, extend, random_prefix, singles in cases:
+            prefixes, extends = bench.case_lengths(batch, extend, random_prefix, torch.Generator().manual_seed(5),
+                                                   singles)
+            *_, traffic = bench.prefill_case(reference, d, batch, extend, random_prefix,
+                                             torch.Generator().manual_seed(5), singles, device="cpu")
+            float_bytes = state_values = 0
+            for start, count in zip(prefixes, extends):
+                float_bytes += count * 2 * d * 4 + sum(q % chunk == chunk - 1 for q in range(start, start + count)) * d * 4
+                state_values += 3 * d * ((start % chunk != 0) + ((start + count) % chunk != 0))
+            for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+                assert traffic.bytes(dtype) == float_bytes + state_values * size, (name, dtype)
+    for batch in bench.DECODE_BATCHES:
+        (*_, seq_lens), traffic = bench.decode_case(d, batch, device="cpu")
+        float_bytes = state_values = 0
+        for position in ((seq_lens.long() - 1) % chunk).tolist():
+            float_bytes += 2 * d * 4 + (d * 4 if position == chunk - 1 else 0)
+            state_values += 3 * d * ((position != 0) + (position != chunk - 1))
+        assert traffic.bytes(torch.float32) == float_bytes + 4 * state_values, batch
+
+
 def test_cold_rows_cycle_through_enough_copies_to_span_twice_the_l2():
     bench = load_script("slice_widths").bench  # imported as a module (its dataclasses need one)
     l2 = 50 * 2**20
