@@ -116,6 +116,24 @@ def graph_median_ms(fn, launches: int = 100, iters: int = 30) -> float:
     return median_ms(capture_graph(fn, launches).replay, iters=iters) / launches
 
 
+def spaced_graph_median_ms(fn, launches: int = 10, iters: int = 20, device: str = "cuda") -> float:
+    """Median time of one `fn` call when a small kernel launched without PDL follows each call, as in an
+    engine whose next kernel does not launch early: from replays of a graph of `launches` (call, spacer)
+    pairs, less a graph of the spacers alone. Back to back, each call's first kernel is placed while the
+    call before it finishes (PDL); the spacer, which starts only when the call has completed, takes that
+    overlap away."""
+    spacer_data = torch.zeros(1, device=device)
+
+    def spacer():
+        spacer_data.add_(1)
+
+    def call_then_spacer():
+        fn()
+        spacer()
+
+    return graph_median_ms(call_then_spacer, launches, iters) - graph_median_ms(spacer, launches, iters)
+
+
 def l2_bytes() -> int:
     """The GPU's L2 size (50 MiB on an H200, the fallback where torch does not say)."""
     return int(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 50 * 2**20))
@@ -367,6 +385,9 @@ def run(args) -> list[Row]:
             # What an engine that captures prefill replays: plans padded to a row per token.
             timing(f"{impl} graph-plan in graph", lambda call=call, plans=own_padded: graph_median_ms(
                 lambda: call(plans), launches=10, iters=20))
+            if args.spaced:
+                timing(f"{impl} in graph, spaced", lambda call=call, plans=own_exact: spaced_graph_median_ms(
+                    lambda: call(plans)))
             copies = cold_copies(traffic.bytes(state_dtype), l2)
             if copies:
                 calls = cold_calls(impl_module.run_prefill,
@@ -491,6 +512,9 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, nargs="+", default=[512], help="one table per head_dim (default 512)")
     parser.add_argument("--json", default=None, help="write the rows here as JSON")
     parser.add_argument("--quick", action="store_true", help="fewer cases")
+    parser.add_argument("--spaced", action="store_true",
+                        help="also time each prefill in a graph with a small non-PDL kernel after every call "
+                             "(rows 'in graph, spaced'; the spacer's own time subtracted)")
     parser.add_argument("--skip-torch", action="store_true", help="time only this project and the copy")
     parser.add_argument("--state-dtype", nargs="+", choices=list(STATE_DTYPES), default=list(STATE_DTYPES),
                         help="state dtypes of our kernels to time, each its own implementation (default: both)")

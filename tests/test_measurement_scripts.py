@@ -217,6 +217,22 @@ def test_the_bytes_behind_percent_of_copy_match_a_walk_over_the_tokens():
         assert traffic.bytes(torch.float32) == float_bytes + 4 * state_values, batch
 
 
+def test_a_spaced_graph_row_is_the_call_and_spacer_graph_less_the_spacer_graph(monkeypatch):
+    bench = load_script("slice_widths").bench
+    graphs = []
+
+    def fake_graph_median_ms(fn, launches, iters):
+        events = []
+        monkeypatch.setattr(bench, "_record", events.append, raising=False)
+        fn()
+        graphs.append((launches, iters))
+        return 3.0 if len(events) else 1.0  # the call records itself; the spacer does not
+
+    monkeypatch.setattr(bench, "graph_median_ms", fake_graph_median_ms)
+    assert bench.spaced_graph_median_ms(lambda: bench._record("call"), device="cpu") == 2.0
+    assert graphs == [(10, 20), (10, 20)]
+
+
 def test_cold_rows_cycle_through_enough_copies_to_span_twice_the_l2():
     bench = load_script("slice_widths").bench  # imported as a module (its dataclasses need one)
     l2 = 50 * 2**20
