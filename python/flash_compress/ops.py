@@ -14,9 +14,9 @@ Each mutates its outputs in place (decode and prefill: ``kv_score_buffer`` and
 ``kv_score_buffer``) and returns nothing (an op may not return an alias of its
 input), so their fake kernels have nothing to describe; they check only that every tensor is on the
 pool's device (a meta pool with real inputs would otherwise pass as a no-op). Their bodies are
-:mod:`flash_compress._dispatch`'s, whose signatures are the schemas. :func:`flash_compress.decode` / :func:`flash_compress.prefill`
-call the ops when traced by ``torch.compile`` and the kernels directly in eager
-mode, where a custom op's dispatch would cost several microseconds per call.
+:mod:`flash_compress._dispatch`'s, whose signatures are the schemas. :func:`flash_compress.decode` /
+:func:`flash_compress.prefill` call the ops when traced by ``torch.compile`` and the kernels directly
+in eager mode, where a custom op's dispatch would cost several microseconds per call.
 """
 
 from __future__ import annotations
