@@ -450,13 +450,15 @@ def _entry_folders(root: Path) -> list[tuple[Path, str, tuple[str, ...], dict[st
 
 
 def _tree_bytes(path: Path) -> int:
-    """Bytes of the files under ``path``, counting none that `clear` removes meanwhile."""
+    """Bytes of the files under ``path``, counting none that `clear` removes meanwhile (os.walk passes
+    over a folder it cannot list)."""
     total = 0
-    for file in path.rglob("*"):
-        try:
-            total += file.stat().st_size if file.is_file() else 0
-        except FileNotFoundError:
-            pass
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:
+                pass
     return total
 
 
