@@ -121,8 +121,10 @@ struct RequestCut {
   uint32_t errors;        // kPlanError* bits
 };
 
-/// Beyond this magnitude an extend_len is flagged anyway; the clamp keeps the
-/// sum over up to 2^29 requests exact, so the sum check holds for any input.
+/// Beyond this magnitude an extend_len is flagged anyway (bit 1, 2 or 4); the
+/// clamp keeps the sum over up to 2^29 requests within int64, and exact where
+/// no term is clamped. Beside a clamped term the sum check may miss or fire
+/// (terms of opposite signs cancel): the plan is all padding either way.
 inline constexpr int64_t kTokenClamp = int64_t{1} << 33;
 inline constexpr int64_t kMaxPlanBatch = int64_t{1} << 29;
 
