@@ -279,7 +279,7 @@ def test_debug_mode_refuses_bad_slots_before_launching(gpu, monkeypatch):
     with pytest.raises(ValueError, match="'indices'"):
         fc.decode(state, inp, ape, torch.tensor([4], dtype=torch.int32, device=DEV),
                   torch.tensor([3], dtype=torch.int32, device=DEV))
-    plan = fc.plan_prefill(torch.tensor([1]), torch.tensor([1]), device=DEV)
+    plan = fc.plan_prefill(torch.tensor([3]), torch.tensor([1]), device=DEV)  # continues a chunk: reads its slot
     with pytest.raises(ValueError, match="'load_indices'"):
         fc.prefill(state, inp, ape, torch.tensor([0], dtype=torch.int32, device=DEV), plan,
                    load_indices=torch.tensor([-2], dtype=torch.int32, device=DEV))
