@@ -600,6 +600,27 @@ def test_a_shared_cache_root_keeps_its_folders_and_locks_writable_by_every_user(
         os.umask(old_umask)
 
 
+def test_a_broken_entry_this_user_may_not_move_aside_is_a_clear_error(tmp_path, monkeypatch):
+    """Another user's broken entry in a shared root (its folder not writable by this one): a JitDisabledError
+    that says so, not a PermissionError from the rename."""
+    from flash_compress.jit import loader
+
+    spec = tiny_spec()
+    folder = "tiny_sm90_0123456789abcdef"
+    entry = _fake_entry(tmp_path, folder, "tiny")
+    (entry / "tiny.so").write_bytes(b"so bytez")  # same size, other bytes: broken
+
+    def denied(layout, path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(loader, "quarantine", denied)
+    monkeypatch.setattr(loader, "verify_entry", lambda e, key=None: verify_entry(e))
+    inputs = _inputs()
+    with pytest.raises(JitDisabledError, match=r"cached entry is broken \(the shared library's sha256.*may not "
+                                               r"move it aside \(Permission denied\).*`clear`"):
+        loader._build_locked(spec, CacheLayout(tmp_path), folder, inputs, Path("nvcc"), None, time.perf_counter())
+
+
 def test_publish_first_writer_wins(tmp_path):
     layout = CacheLayout(tmp_path)
     first, second = layout.new_staging("v"), layout.new_staging("v")

@@ -110,7 +110,13 @@ def _build_locked(spec: JitSpec, layout: CacheLayout, folder: str, inputs, nvcc:
         if verdict.exists:
             problem = verdict.problem or "its shared library failed to load"
             logger.warning("JIT cache entry %s is broken (%s): moving it aside and rebuilding", folder, problem)
-            quarantine(layout, entry)
+            try:
+                quarantine(layout, entry)
+            except PermissionError as exc:  # another user's entry in a shared root that keeps it theirs
+                raise JitDisabledError(folder, f"the cached entry is broken ({problem}) and this user may not move "
+                                       f"it aside ({exc.strerror or exc}); its owner can run `clear`, or make the "
+                                       "cache root group-writable (USAGE section 7)", layout.root, inputs.arch_list,
+                                       spec.prebuild_options) from exc
         clean_staging(layout, folder)
         staging = layout.new_staging(folder)
         try:
