@@ -35,10 +35,12 @@ states from other slots through ``load_indices``; decode; verify then commit) fr
 into NaN-poisoned outputs, and compares states and outputs bit for bit: a
 variant meant to change speed only must match the tree exactly. It exits 1 on
 any difference, and names where it lies: which results (state, output, prefix
-states), how many of their rows (slots, output rows) and the largest error. ``--check-close`` accepts, instead, values within a rounding
-or so of the tree's (``CLOSE_RTOL``, float32 states) and NaN where the tree's
-are: for a variant that changes which warps sum which tokens (a slice-width
-rule), which reorders a chunk's sums.
+states), how many of their rows (slots, output rows) and the largest error.
+``--check-close`` accepts, instead, values within a rounding or so of the
+tree's (``CLOSE_RTOL``, float32 states) and NaN where the tree's are: for a
+variant that changes which warps sum which tokens (a slice-width rule), which
+reorders a chunk's sums. Each variant's prefills run on its own planner's plans,
+and decode on the batches ``--decode-batches`` times.
 """
 
 from __future__ import annotations

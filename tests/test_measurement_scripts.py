@@ -204,7 +204,8 @@ def test_the_bytes_behind_percent_of_copy_match_a_walk_over_the_tokens():
                                              torch.Generator().manual_seed(5), singles, device="cpu")
             float_bytes = state_values = 0
             for start, count in zip(prefixes, extends):
-                float_bytes += count * 2 * d * 4 + sum(q % chunk == chunk - 1 for q in range(start, start + count)) * d * 4
+                closing = sum(q % chunk == chunk - 1 for q in range(start, start + count))
+                float_bytes += count * 2 * d * 4 + closing * d * 4
                 state_values += 3 * d * ((start % chunk != 0) + ((start + count) % chunk != 0))
             for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
                 assert traffic.bytes(dtype) == float_bytes + state_values * size, (name, dtype)

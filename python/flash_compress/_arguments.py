@@ -1,4 +1,5 @@
-"""Argument checks that the reference and the torch API share: flags, layout, and memory shared with what a call writes.
+"""Argument checks that the reference and the torch API share: flags, layout, device, and memory that
+a call writes shared with another argument.
 
 Memory: the compiled exports (``include/sgl_kernel/tensor.h``, ``verify_apart``)
 refuse two arguments whose bytes overlap when the call writes either; their
@@ -32,6 +33,13 @@ def check_contiguous(tensor: torch.Tensor, name: str) -> None:
     if not tensor.is_contiguous():
         raise ValueError(f"argument '{name}': expected a contiguous tensor, "
                          f"got a non-contiguous view with strides {list(tensor.stride())}")
+
+
+def check_device(tensor: torch.Tensor, name: str, device: torch.device, like: str = "kv_score_buffer") -> None:
+    """ValueError naming argument ``name`` unless ``tensor`` is on ``device``, the device of argument ``like``,
+    worded as the compiled exports word it."""
+    if tensor.device != device:
+        raise ValueError(f"argument '{name}': expected device {device} like {like}, got {tensor.device}")
 
 
 def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:

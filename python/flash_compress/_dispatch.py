@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from . import _debug
-from ._arguments import check_apart, check_contiguous
+from ._arguments import check_apart, check_contiguous, check_device
 from .c128_online import STATE_DTYPES, is_supported_head_dim, load_module, load_planner
 from .jit import JitDisabledError
 from .plan_rows import CHUNK_SIZE
@@ -135,9 +135,7 @@ def _check_move_arguments(kv_score_buffer: torch.Tensor, kv_score_input: torch.T
         if t.dim() != 1 or t.shape != indices.shape:
             raise ValueError(f"argument '{name}': expected shape [B] like indices ({list(indices.shape)}), "
                              f"got {list(t.shape)}")
-        if t.device != kv_score_buffer.device:
-            raise ValueError(f"argument '{name}': expected device {kv_score_buffer.device} like kv_score_buffer, "
-                             f"got {t.device}")
+        check_device(t, name, kv_score_buffer.device)
         if t.is_cuda:  # the dry call sees it empty, which passes any layout: the move reads it in full
             check_contiguous(t, name)
     for name, t in (("kv_score_input", kv_score_input), ("out", out)):
@@ -177,14 +175,14 @@ def relocate_states(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_i
     num_slots = kv_score_buffer.shape[0]
     fresh = (seq_lens.to(torch.int64) - 1) % CHUNK_SIZE == 0
     load_ok = (load_indices >= 0) & (load_indices < num_slots)
-    move = load_ok & (indices >= 0) & (indices < num_slots) & ~fresh & (seq_lens >= 1)  # what the kernel runs
+    in_pool = (indices >= 0) & (indices < num_slots)
+    move = load_ok & in_pool & ~fresh & (seq_lens >= 1)  # what the kernel runs
     if num_slots and indices.numel():
         # Requests that move nothing copy what another move copies (the same bytes to the same slot, so the
         # duplicate writes agree); when none moves, a slot of this call (slot 0 only if it names none) onto
         # itself, so that no other request's slot is written: every index stays in the pool. Tensor
         # indices: slicing with them would sync.
         first_move = torch.argmax(move.to(torch.int32)).reshape(1)
-        in_pool = (indices >= 0) & (indices < num_slots)
         own = torch.where(in_pool.any(), indices[torch.argmax(in_pool.to(torch.int32)).reshape(1)],
                           torch.zeros_like(indices[:1]))
         any_move = move.any()

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from . import _dispatch
+from ._arguments import check_device
 
 __all__ = ["commit", "decode", "prefill", "verify"]
 
@@ -47,9 +48,8 @@ def _in_place_only(impl: Callable[..., None]) -> Callable[..., None]:
     def fake(*args: object, **kwargs: object) -> None:
         (pool_name, pool), *others = signature.bind(*args, **kwargs).arguments.items()
         for name, value in others:
-            if isinstance(value, torch.Tensor) and value.device != pool.device:
-                raise ValueError(f"argument '{name}': expected device {pool.device} like {pool_name}, "
-                                 f"got {value.device}")
+            if isinstance(value, torch.Tensor):
+                check_device(value, name, pool.device, like=pool_name)
 
     return fake
 

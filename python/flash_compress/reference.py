@@ -60,7 +60,7 @@ from typing import Optional
 import torch
 
 from . import c128_online
-from ._arguments import check_apart, check_flag
+from ._arguments import check_apart, check_device, check_flag
 from .host_planner import plan_online_prefill, plan_segments
 from .plan_rows import (
     CHUNK_SIZE, PADDING_ROW, check_plan_tensor, continues_chunk, decode_rows, live_rows, row_problems,
@@ -185,14 +185,8 @@ def _check_state_tensors(kv_score_buffer, kv_score_input, kv_compressed_output, 
             f"got {list(kv_compressed_output.shape)}"
         )
     for name, t in tensors.items():
-        _on_device(t, name, kv_score_buffer.device)
+        check_device(t, name, kv_score_buffer.device)
     return d
-
-
-def _on_device(t: torch.Tensor, name: str, device: torch.device) -> None:
-    """ValueError naming ``name`` unless ``t`` is on the pool's ``device``, as the exports raise."""
-    if t.device != device:
-        raise ValueError(f"argument '{name}': expected device {device} like kv_score_buffer, got {t.device}")
 
 
 def _check_state_dtype(kv_score_buffer: torch.Tensor) -> None:
@@ -214,7 +208,7 @@ def _index_vector(t, name: str, device, batch: Optional[int] = None, *, like: st
     if t.dim() != 1 or (batch is not None and t.shape[0] != batch):
         want = "[B]" if batch is None else f"[{batch}]" + (f" like {like}" if like else "")
         raise ValueError(f"argument '{name}': expected shape {want}, got {list(t.shape)}")
-    _on_device(t, name, device)
+    check_device(t, name, device)
     return t.shape[0]
 
 
@@ -412,7 +406,7 @@ def _prefill(kv_score_buffer, kv_score_input, kv_compressed_output, ape, indices
         _index_vector(load_indices, "load_indices", device, batch, like="indices")
     for name, plan in (("compress_plan", compress_plan), ("write_plan", write_plan)):
         check_plan_tensor(plan, name)
-        _on_device(plan, name, device)
+        check_device(plan, name, device)
     check_apart([("kv_score_buffer", kv_score_buffer, True), ("kv_score_input", kv_score_input, False),
                  ("kv_compressed_output", kv_compressed_output, True), ("ape", ape, False),
                  ("indices", indices, False), ("load_indices", load_indices, False),
@@ -470,11 +464,7 @@ def _check_prefix_states(prefix_states, kv_score_buffer: torch.Tensor, rows: int
             f"argument 'prefix_states': expected shape [B*T, 3D] = [{rows}, {width}], "
             f"got {list(prefix_states.shape)}"
         )
-    if prefix_states.device != kv_score_buffer.device:
-        raise ValueError(
-            f"argument 'prefix_states': expected device {kv_score_buffer.device} like kv_score_buffer, "
-            f"got {prefix_states.device}"
-        )
+    check_device(prefix_states, "prefix_states", kv_score_buffer.device)
 
 
 def _tokens_per_request(rows: int, batch: int, name: str) -> int:

@@ -67,9 +67,8 @@ def prebuild(specs: Sequence[tuple[str, JitSpec]], arch_list: Sequence[str] | st
             results[label] = status, _, seconds, _ = future.result()
             print(f"[{len(results)}/{len(specs)}] {label}: {status} ({seconds:.1f} s)", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
-        # Leaving the pool's `with` would first run every queued build. Ctrl-C reached the running
-        # nvcc too (its process group); what it leaves behind the next build of its key clears.
-        pool.shutdown(wait=False, cancel_futures=True)
+        # The `finally` cancels the queued builds (a pool's `with` would run them all first). Ctrl-C reached
+        # the running nvcc too (its process group); what it leaves behind the next build of its key clears.
         print(f"prebuild: interrupted after {len(results)} of {len(specs)} variants; the rest were not built",
               file=sys.stderr)
         return 130
