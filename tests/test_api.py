@@ -282,8 +282,10 @@ def test_decode_move_arguments_are_checked_before_the_pool_is_touched():
     # The rest of the call is checked too (by the export, with no request) before anything moves.
     with pytest.raises(TypeError, match="'kv_compressed_output'.*float32"):
         fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=i32(2, 3), out=torch.zeros(2, D).double())
-    with pytest.raises(ValueError, match="'kv_score_input'"):
+    with pytest.raises(ValueError, match=rf"'kv_score_input': expected shape \[2, {2 * D}\].*got \[2, {D}\]"):
         fc.decode(buf, inp[:, :D], ape, i32(0, 1), i32(3, 3), load_indices=i32(2, 3))
+    with pytest.raises(ValueError, match=rf"'out': expected shape \[2, {D}\].*got \[2, {D + 16}\]"):
+        fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=i32(2, 3), out=torch.zeros(2, D + 16))
     with pytest.raises(ValueError, match="'out'.*2 rows like indices"):
         fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=i32(2, 3), out=torch.zeros(3, D))
     # The move writes the pool before the kernel's own check of what it writes could see it.

@@ -124,9 +124,10 @@ def new_output(kv_score_input: torch.Tensor, ape: torch.Tensor, rows: Optional[i
 
 
 def _check_move_arguments(kv_score_buffer: torch.Tensor, kv_score_input: torch.Tensor, out: torch.Tensor,
-                          indices: torch.Tensor, load_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
-    """What a decode move reads, and the row counts a dry call of the kernel cannot see: ``[B]`` int32 tensors
-    on the pool's device, and ``B`` rows of input and output."""
+                          ape: torch.Tensor, indices: torch.Tensor, load_indices: torch.Tensor,
+                          seq_lens: torch.Tensor) -> None:
+    """What a decode move reads, and the shapes a dry call of the kernel sees only without rows: ``[B]`` int32
+    tensors on the pool's device, and ``[B, 2D]`` input and ``[B, D]`` output rows."""
     for name, t in (("indices", indices), ("load_indices", load_indices), ("seq_lens", seq_lens)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
@@ -138,12 +139,17 @@ def _check_move_arguments(kv_score_buffer: torch.Tensor, kv_score_input: torch.T
         check_device(t, name, kv_score_buffer.device)
         if t.is_cuda:  # the dry call sees it empty, which passes any layout: the move reads it in full
             check_contiguous(t, name)
-    for name, t in (("kv_score_input", kv_score_input), ("out", out)):
+    # An ape the export would refuse is left to its dry call, which names it.
+    head_dim = ape.shape[-1] if isinstance(ape, torch.Tensor) and ape.dim() == 2 else None
+    for name, t, width in (("kv_score_input", kv_score_input, 2), ("out", out, 1)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() == 0 or t.shape[0] != indices.shape[0]:
             raise ValueError(f"argument '{name}': expected {indices.shape[0]} rows like indices, "
                              f"got shape {list(t.shape)}")
+        if head_dim is not None and list(t.shape[1:]) != [width * head_dim]:
+            raise ValueError(f"argument '{name}': expected shape [{indices.shape[0]}, {width * head_dim}] "
+                             f"(D = {head_dim}, ape's width), got {list(t.shape)}")
         if not t.is_cuda:
             continue  # the reference, which takes any layout
         # The export's dry call sees these tensors with no rows, and an empty view passes any layout check.
@@ -236,7 +242,7 @@ def decode_into(
     if _debug.enabled():
         _debug.check_decode(kv_score_buffer, indices, seq_lens, load_indices)
     if load_indices is not None:
-        _check_move_arguments(kv_score_buffer, kv_score_input, out, indices, load_indices, seq_lens)
+        _check_move_arguments(kv_score_buffer, kv_score_input, out, ape, indices, load_indices, seq_lens)
         # The export's own checks of every other argument, before the move writes the pool: with no
         # request (B = 0) it checks and returns without a launch.
         module.run_decode(kv_score_buffer, kv_score_input[:0], out[:0], ape, indices[:0], seq_lens[:0], None)
