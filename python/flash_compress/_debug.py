@@ -161,18 +161,19 @@ def check_prefill(
     batch, num_tokens = indices.shape[0], kv_score_input.shape[0]
     compress_rows = _check_plan(compress_plan, "compress_plan", num_tokens, batch, compress=True)
     write_rows = _check_plan(write_plan, "write_plan", num_tokens, batch, compress=False)
+    compress_list = compress_rows.tolist() if compress_rows is not None else []
+    write_list = write_rows.tolist() if write_rows is not None else []
     stores_state, reads_state = [False] * batch, [False] * batch  # per request
-    for rows in (r for r in (compress_rows, write_rows) if r is not None):
-        for _, b, position, window_len in rows.tolist():
-            reads_state[b] |= continues_chunk(position, window_len)
-    for row in write_rows.tolist() if write_rows is not None else ():
-        stores_state[row[1]] = True
+    for _, b, position, window_len in compress_list + write_list:
+        reads_state[b] |= continues_chunk(position, window_len)
+    for _, b, _, _ in write_list:
+        stores_state[b] = True
     if load_indices is None:
         _check_slots(kv_score_buffer, indices, "indices", [s or r for s, r in zip(stores_state, reads_state)])
     else:
         _check_slots(kv_score_buffer, indices, "indices", stores_state)
         _check_slots(kv_score_buffer, load_indices, "load_indices", reads_state)
-    if write_rows is None or not len(write_rows):
+    if not write_list:
         return
     # The write pass runs its rows at once: each reads its request's prior state (a segment that starts
     # mid-chunk) while the others store theirs.
@@ -181,11 +182,10 @@ def check_prefill(
         loads = load_indices.tolist()
     else:
         loads = stores  # None (the default), or wrong: the kernels' own checks name it
-    writers = [int(row[1]) for row in write_rows]
+    writers = [b for _, b, _, _ in write_list]
     _check_distinct([stores[b] for b in writers], writers, "indices", "two write rows storing to one slot race")
     written = {stores[b]: b for b in writers}
-    for row in write_rows.tolist():
-        _, b, position, window_len = row
+    for _, b, position, window_len in write_list:
         if continues_chunk(position, window_len) and written.get(loads[b], b) != b:
             other = written[loads[b]]
             raise ValueError(f"argument 'load_indices': expected no request to read a slot another request of the "
