@@ -185,6 +185,26 @@ def test_prefill_allocates_out_and_matches_the_reference():
     assert torch.equal(out[rows], want[rows]) and torch.equal(got_buf, want_buf)
 
 
+def test_errors_about_the_output_name_the_out_argument_each_function_takes():
+    """The exports call the output ``kv_compressed_output``; the torch API's callers pass it as ``out``."""
+    buf, ape, gen = state_pool(slots=4)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    before = buf.clone()
+    plan = fc.plan_prefill(torch.tensor([300]), torch.tensor([300]), device="cpu")  # two compress rows
+    inp = torch.randn(300, 2 * D, generator=gen)
+    with pytest.raises(ValueError, match=r"^argument 'out': expected shape .*\[2, \d+\], got \[3, "):
+        fc.prefill(buf, inp, ape, i32(0), plan, compact=True, out=torch.full((3, D), float("nan")))
+    with pytest.raises(ValueError, match=r"^argument 'out': expected shape .*\[300, \d+\], got \[300, "):
+        fc.prefill(buf, inp, ape, i32(0), plan, out=torch.full((300, D + 64), float("nan")))
+    with pytest.raises(TypeError, match=r"^argument 'out': expected dtype float32"):
+        fc.verify(buf, torch.randn(4, 2 * D, generator=gen), ape, i32(0, 1), i32(9, 9),
+                  out=torch.zeros(4, D, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"^argument 'out': expected dtype float32"):
+        fc.decode(buf, torch.randn(2, 2 * D, generator=gen), ape, i32(0, 1), i32(9, 9),
+                  out=torch.zeros(2, D, dtype=torch.float64))
+    assert torch.equal(buf, before)
+
+
 def test_decode_with_load_indices_reads_the_old_slot_and_writes_the_new():
     """Against a one-token prefill with the same load_indices (the reference's own relocation path)."""
     buf, ape, gen = state_pool(slots=6)
@@ -280,7 +300,7 @@ def test_decode_move_arguments_are_checked_before_the_pool_is_touched():
     with pytest.raises(TypeError, match="'load_indices'.*torch.Tensor"):
         fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=[1, 2])
     # The rest of the call is checked too (by the export, with no request) before anything moves.
-    with pytest.raises(TypeError, match="'kv_compressed_output'.*float32"):
+    with pytest.raises(TypeError, match="'out'.*float32"):
         fc.decode(buf, inp, ape, i32(0, 1), i32(3, 3), load_indices=i32(2, 3), out=torch.zeros(2, D).double())
     with pytest.raises(ValueError, match=rf"'kv_score_input': expected shape \[2, {2 * D}\].*got \[2, {D}\]"):
         fc.decode(buf, inp[:, :D], ape, i32(0, 1), i32(3, 3), load_indices=i32(2, 3))

@@ -254,7 +254,7 @@ def test_a_refused_decode_move_leaves_the_pool_alone(gpu):
     bad = {
         "'kv_score_input'.*contiguous": dict(kv_score_input=torch.zeros(2, 4 * d, device=DEV)[:, ::2]),
         "'out'.*aligned to 16 bytes": dict(out=torch.zeros(2 * d + 1, device=DEV)[1:].view(2, d)),
-        "'kv_compressed_output'.*float32": dict(out=torch.zeros(2, d, dtype=torch.float64, device=DEV)),
+        "'out'.*float32": dict(out=torch.zeros(2, d, dtype=torch.float64, device=DEV)),
         "'kv_score_input'": dict(kv_score_input=inp[:, :d].contiguous()),
         "'ape'": dict(ape=ape[:64]),
     }

@@ -600,6 +600,27 @@ def test_a_shared_cache_root_keeps_its_folders_and_locks_writable_by_every_user(
         os.umask(old_umask)
 
 
+def test_a_shared_cache_root_opens_an_entry_s_files_to_every_user_whatever_the_umask(tmp_path):
+    """The library and the files beside it get the shared root's read bits (and its run bits where the
+    builder's file has them), so another user can load the entry; a private root leaves them as made."""
+    old_umask = os.umask(0o077)
+    try:
+        for mode, library_mode, text_mode in ((0o2775, 0o755, 0o644), (0o2770, 0o750, 0o640), (0o700, 0o700, 0o600)):
+            root = tmp_path / oct(mode)
+            root.mkdir()
+            root.chmod(mode)
+            layout = CacheLayout(root)
+            staging = layout.new_staging("v")
+            (staging / "v.so").write_bytes(b"so bytes")
+            (staging / "v.so").chmod(0o700)  # as the linker makes it under umask 077
+            (staging / MANIFEST).write_text("{}")
+            layout.share_files(staging)
+            assert stat.S_IMODE((staging / "v.so").stat().st_mode) == library_mode, oct(mode)
+            assert stat.S_IMODE((staging / MANIFEST).stat().st_mode) == text_mode, oct(mode)
+    finally:
+        os.umask(old_umask)
+
+
 def test_a_broken_entry_this_user_may_not_move_aside_is_a_clear_error(tmp_path, monkeypatch):
     """Another user's broken entry in a shared root (its folder not writable by this one): a JitDisabledError
     that says so, not a PermissionError from the rename."""

@@ -103,15 +103,32 @@ def _raise_if_not_tensors(names: tuple[str, ...], arguments: dict[str, Any]) -> 
             raise _not_tensor(**{name: value}) from None
 
 
+#: The exports' argument names that differ from the names the functions below (and the torch API) take.
+_EXPORT_NAMES = {"kv_compressed_output": "out"}
+
+
 @contextlib.contextmanager
-def _naming_non_tensors(names: tuple[str, ...], arguments: dict[str, Any]) -> Iterator[None]:
+def _naming_arguments(names: tuple[str, ...], arguments: dict[str, Any]) -> Iterator[None]:
     """Around an export's call: a TypeError it raises becomes ``_raise_if_not_tensors``'s, where that names
-    an argument."""
+    an argument; an error naming an export's argument (``kv_compressed_output``) names the caller's (``out``)."""
     try:
         yield
-    except TypeError:
+    except TypeError as exc:
         _raise_if_not_tensors(names, arguments)
+        _raise_renamed(exc)
         raise
+    except ValueError as exc:
+        _raise_renamed(exc)
+        raise
+
+
+def _raise_renamed(exc: Exception) -> None:
+    """Raises ``exc``'s message with the caller's name for the argument it names, where the names differ."""
+    message = str(exc)
+    for export_name, name in _EXPORT_NAMES.items():
+        if message.startswith(f"argument '{export_name}'"):
+            renamed = f"argument '{name}'{message[len(export_name) + 11:]}"
+            raise (TypeError if isinstance(exc, TypeError) else ValueError)(renamed) from None
 
 
 def new_output(kv_score_input: torch.Tensor, ape: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
@@ -245,9 +262,10 @@ def decode_into(
         _check_move_arguments(kv_score_buffer, kv_score_input, out, ape, indices, load_indices, seq_lens)
         # The export's own checks of every other argument, before the move writes the pool: with no
         # request (B = 0) it checks and returns without a launch.
-        module.run_decode(kv_score_buffer, kv_score_input[:0], out[:0], ape, indices[:0], seq_lens[:0], None)
+        with _naming_arguments(_DECODE_NAMES, locals()):
+            module.run_decode(kv_score_buffer, kv_score_input[:0], out[:0], ape, indices[:0], seq_lens[:0], None)
         indices = relocate_states(kv_score_buffer, indices, load_indices, seq_lens)
-    with _naming_non_tensors(_DECODE_NAMES, locals()):
+    with _naming_arguments(_DECODE_NAMES, locals()):
         module.run_decode(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, None)
 
 
@@ -272,7 +290,7 @@ def prefill_into(
         _debug.check_planner_flag(plan_counts)
         _debug.check_prefill(kv_score_buffer, kv_score_input, indices, compress_plan, write_plan, load_indices)
     run = module.run_prefill_compact if compact else module.run_prefill
-    with _naming_non_tensors(_PREFILL_NAMES, locals()):
+    with _naming_arguments(_PREFILL_NAMES, locals()):
         run(kv_score_buffer, kv_score_input, out, ape, indices, compress_plan, write_plan, load_indices)
 
 
@@ -290,7 +308,7 @@ def verify_into(
     module = _compiled(kv_score_buffer, ape, use_pdl)
     if _debug.enabled():
         _debug.check_verify(kv_score_buffer, kv_score_input, indices, seq_lens)
-    with _naming_non_tensors(_VERIFY_NAMES, locals()):
+    with _naming_arguments(_VERIFY_NAMES, locals()):
         module.run_verify(kv_score_buffer, kv_score_input, out, ape, indices, seq_lens, prefix_states)
 
 
@@ -316,5 +334,5 @@ def commit_into(
     module = _variant(kv_score_buffer, head_dim, use_pdl)
     if _debug.enabled():
         _debug.check_commit(kv_score_buffer, prefix_states, indices, accept_lens)
-    with _naming_non_tensors(_COMMIT_NAMES, locals()):
+    with _naming_arguments(_COMMIT_NAMES, locals()):
         module.run_commit(kv_score_buffer, prefix_states, indices, accept_lens)

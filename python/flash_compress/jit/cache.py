@@ -23,6 +23,7 @@ import platform
 import re
 import secrets
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -249,6 +250,18 @@ class CacheLayout:
         if shared is not None:  # the published entry keeps them: another user may have to move it aside
             path.chmod(shared)
         return path
+
+    def share_files(self, staging: Path) -> None:
+        """In a shared root, open a staged entry's files to whom the root is open: read, and run where the
+        builder may run them. A builder's umask (``077``) would otherwise leave the library only its own to
+        load."""
+        shared = self.shared_mode()
+        if shared is None:
+            return
+        for path in staging.iterdir():
+            if path.is_file():
+                runnable = shared & 0o111 if path.stat().st_mode & stat.S_IXUSR else 0
+                path.chmod(stat.S_IRUSR | stat.S_IWUSR | shared & 0o444 | runnable)
 
 
 def _sha256(path: Path) -> str:

@@ -124,6 +124,7 @@ def _build_locked(spec: JitSpec, layout: CacheLayout, folder: str, inputs, nvcc:
                 spec, variant=folder, arch_list=inputs.arch_list, nvcc=nvcc, staging=staging,
                 failed_log=layout.failed_log(folder), verbose=config.verbose, threads=config.max_jobs)
             write_manifest(staging, inputs, library, seconds, command)
+            layout.share_files(staging)
             won = publish(staging, entry)
         except BaseException:
             remove_tree(staging)
