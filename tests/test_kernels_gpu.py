@@ -143,7 +143,7 @@ def test_128_channel_compress_slices_fold_prior_states(gpu, head_dim, state_dtyp
     compress = prefill_pass(count, head_dim, sms)
     assert compress[0] == 128 and prefill_pass(count, head_dim, sms, beside=compress, write_pass=True)[0] <= 64
     h = ScheduleHarness(module, head_dim=head_dim, device="cuda", seed=57 + head_dim, num_slots=count + 2,
-                        max_requests=count, state_dtype=getattr(torch, state_dtype))
+                        max_requests=count, state_dtype=getattr(torch, state_dtype), shadow=ref)
     batch = [h.start_request() for _ in range(count)]
     h.prefill_step([(r, 60, None) for r in batch])  # write rows only
     h.prefill_step([(r, CHUNK_SIZE, None) for r in batch])
@@ -172,7 +172,7 @@ def test_cuda_graph_plans_with_few_live_compress_rows(gpu, head_dim):
     lengths = next((lengths for lengths in candidates if retied(lengths)), None)
     assert lengths is not None, f"no batch of 1000 to 3000 one-token requests retie at head_dim {head_dim}, {sms} SMs"
     h = ScheduleHarness(module, head_dim=head_dim, device="cuda", seed=83 + head_dim, num_slots=len(lengths) + 3,
-                        max_requests=len(lengths))
+                        max_requests=len(lengths), shadow=ref)
     batch = [h.start_request() for _ in lengths]
     for _ in range(2):
         h.prefill_step([(r, n, None) for r, n in zip(batch, lengths)], use_cuda_graph=True)

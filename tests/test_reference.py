@@ -200,10 +200,10 @@ def test_prefill_skips_sentinel_rows():
 @pytest.mark.parametrize(
     "row, which",
     [
-        ((4, 0, 127, 5), "write"),  # write row that closes a chunk
+        ((3, 0, 127, 4), "write"),  # write row that closes a chunk
         ((3, 0, 126, 4), "compress"),  # compress row that does not close one
-        ((4, 0, 3, 5), "write"),  # ragged start before row 0
-        ((4, 0, 131, 5), "write"),  # window crosses a chunk start
+        ((3, 0, 10, 5), "write"),  # ragged start before row 0
+        ((3, 0, 130, 4), "write"),  # window crosses a chunk start
         ((3, 0, 3, 0), "write"),  # window 0
         ((3, 0, 200, 129), "write"),  # window > 128
         ((3, 1, 3, 4), "write"),  # batch id past the batch

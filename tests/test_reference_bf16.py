@@ -368,7 +368,7 @@ def test_float32_states_ignore_the_switch():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["decode_only", "decode_1", "mixed", "extend"])
+@pytest.mark.parametrize("case", sorted(accuracy.CASES))
 def test_bf16_row_errors_stay_under_the_documented_bounds(case):
     errors = accuracy.CASES[case].measure(ref, head_dim=64)
     summary = errors.summary()
