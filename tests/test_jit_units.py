@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+import types
 import uuid
 from pathlib import Path
 
@@ -126,6 +127,47 @@ def test_arch_detection_uses_no_torch_unless_imported(monkeypatch):
     try:
         assert toolchain.detect_gpu_arch_list() is None
         assert cuda_arch_list() == ("9.0",)
+    finally:
+        toolchain._nvidia_smi_gpus.cache_clear()
+
+
+def test_arch_detection_leaves_cuda_uninitialised_where_nvidia_smi_answers(monkeypatch, tmp_path):
+    """Asking torch for a capability initialises CUDA, which a forked child then cannot use: torch is asked
+    first only where the program initialised CUDA, and last where nvidia-smi does not answer."""
+    asked = []
+
+    class FakeCuda:
+        initialized = False
+
+        def is_initialized(self):
+            return self.initialized
+
+        def is_available(self):
+            return True
+
+        def device_count(self):
+            return 1
+
+        def get_device_capability(self, index):
+            asked.append(index)
+            return (10, 0)
+
+    cuda = FakeCuda()
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '0, GPU-aaaa-1111, 9.0'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    toolchain._nvidia_smi_gpus.cache_clear()
+    try:
+        assert toolchain.detect_gpu_arch_list() == ("9.0",) and asked == []  # nvidia-smi's answer
+        cuda.initialized = True
+        assert toolchain.detect_gpu_arch_list() == ("10.0",) and asked == [0]  # torch's, CUDA already up
+        cuda.initialized = False
+        monkeypatch.setenv("PATH", "")
+        toolchain._nvidia_smi_gpus.cache_clear()
+        assert toolchain.detect_gpu_arch_list() == ("10.0",) and asked == [0, 0]  # torch, the last resort
     finally:
         toolchain._nvidia_smi_gpus.cache_clear()
 

@@ -180,13 +180,17 @@ def gencode_flags(arch_list: Iterable[str]) -> list[str]:
     return flags
 
 
-def _torch_gpu_archs() -> tuple[str, ...] | None:
+def _torch_gpu_archs(*, initialized_only: bool) -> tuple[str, ...] | None:
     # Only a torch the program already imported: importing it here would cost a second
-    # or more and make the loader depend on torch.
+    # or more and make the loader depend on torch. Asking torch for a capability initialises
+    # CUDA, after which a forked child cannot use it: with ``initialized_only`` torch is asked
+    # only where the program has initialised CUDA itself.
     cuda = getattr(sys.modules.get("torch"), "cuda", None)
     if cuda is None:
         return None
     try:
+        if initialized_only and not cuda.is_initialized():
+            return None
         if not cuda.is_available():
             return None
         return tuple({"%d.%d" % cuda.get_device_capability(i) for i in range(cuda.device_count())}) or None
@@ -242,13 +246,14 @@ def _nvidia_smi_archs() -> tuple[str, ...] | None:
 
 def detect_gpu_arch_list() -> tuple[str, ...] | None:
     """The distinct compute capabilities of the visible GPUs, or ``None`` when none is visible."""
-    archs = _torch_gpu_archs() or _nvidia_smi_archs()
+    archs = _torch_gpu_archs(initialized_only=True) or _nvidia_smi_archs() or _torch_gpu_archs(initialized_only=False)
     return normalize_arch_list(archs) if archs else None
 
 
 def cuda_arch_list() -> tuple[str, ...]:
     """The archs to build for: ``config.arch_list`` (Python, then ``FLASH_COMPRESS_CUDA_ARCH_LIST``),
-    else the visible GPUs (through torch only if already imported, else ``nvidia-smi``), else sm_90."""
+    else the visible GPUs (through torch where it has initialised CUDA, else ``nvidia-smi``, else torch if
+    imported), else sm_90."""
     requested = config.arch_list
     if requested:
         return normalize_arch_list(requested)
