@@ -126,8 +126,9 @@ def _raise_renamed(exc: Exception) -> None:
     """Raises ``exc``'s message with the caller's name for the argument it names, where the names differ."""
     message = str(exc)
     for export_name, name in _EXPORT_NAMES.items():
-        if message.startswith(f"argument '{export_name}'"):
-            renamed = f"argument '{name}'{message[len(export_name) + 11:]}"
+        named = f"argument '{export_name}'"
+        if message.startswith(named):
+            renamed = f"argument '{name}'{message[len(named):]}"
             raise (TypeError if isinstance(exc, TypeError) else ValueError)(renamed) from None
 
 
