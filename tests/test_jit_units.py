@@ -133,7 +133,8 @@ def test_arch_detection_uses_no_torch_unless_imported(monkeypatch):
 
 def test_arch_detection_leaves_cuda_uninitialised_where_nvidia_smi_answers(monkeypatch, tmp_path):
     """Asking torch for a capability initialises CUDA, which a forked child then cannot use: torch is asked
-    first only where the program initialised CUDA, and last where nvidia-smi does not answer."""
+    first only where the program initialised CUDA, and after nvidia-smi only where that does not answer
+    or names two kinds it cannot tell apart."""
     asked = []
 
     class FakeCuda:
@@ -168,6 +169,13 @@ def test_arch_detection_leaves_cuda_uninitialised_where_nvidia_smi_answers(monke
         monkeypatch.setenv("PATH", "")
         toolchain._nvidia_smi_gpus.cache_clear()
         assert toolchain.detect_gpu_arch_list() == ("10.0",) and asked == [0, 0]  # torch, the last resort
+        # Two kinds on the host, and no telling which one CUDA sees: torch, which knows.
+        smi.write_text("#!/bin/sh\necho '0, GPU-aaaa-1111, 9.0'\necho '1, GPU-bbbb-2222, 7.5'\n")
+        monkeypatch.setenv("PATH", str(tmp_path))
+        toolchain._nvidia_smi_gpus.cache_clear()
+        assert toolchain.detect_gpu_arch_list() == ("10.0",) and asked == [0, 0, 0]
+        monkeypatch.setitem(sys.modules, "torch", None)  # without torch, both kinds
+        assert toolchain.detect_gpu_arch_list() == ("7.5", "9.0")
     finally:
         toolchain._nvidia_smi_gpus.cache_clear()
 

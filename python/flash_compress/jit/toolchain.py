@@ -245,15 +245,22 @@ def _nvidia_smi_archs() -> tuple[str, ...] | None:
 
 
 def detect_gpu_arch_list() -> tuple[str, ...] | None:
-    """The distinct compute capabilities of the visible GPUs, or ``None`` when none is visible."""
-    archs = _torch_gpu_archs(initialized_only=True) or _nvidia_smi_archs() or _torch_gpu_archs(initialized_only=False)
+    """The distinct compute capabilities of the visible GPUs, or ``None`` when none is visible.
+
+    torch where the program has initialised CUDA; else nvidia-smi where it names one kind (it cannot
+    always tell which of a host's kinds ``CUDA_VISIBLE_DEVICES`` leaves); else torch, which may
+    initialise CUDA; else nvidia-smi's kinds."""
+    archs = _torch_gpu_archs(initialized_only=True)
+    if archs:
+        return normalize_arch_list(archs)
+    host = _nvidia_smi_archs()
+    archs = host if host and len(set(host)) == 1 else _torch_gpu_archs(initialized_only=False) or host
     return normalize_arch_list(archs) if archs else None
 
 
 def cuda_arch_list() -> tuple[str, ...]:
     """The archs to build for: ``config.arch_list`` (Python, then ``FLASH_COMPRESS_CUDA_ARCH_LIST``),
-    else the visible GPUs (through torch where it has initialised CUDA, else ``nvidia-smi``, else torch if
-    imported), else sm_90."""
+    else the visible GPUs (:func:`detect_gpu_arch_list`), else sm_90."""
     requested = config.arch_list
     if requested:
         return normalize_arch_list(requested)
