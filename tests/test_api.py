@@ -202,6 +202,10 @@ def test_errors_about_the_output_name_the_out_argument_each_function_takes():
     with pytest.raises(TypeError, match=r"^argument 'out': expected dtype float32"):
         fc.decode(buf, torch.randn(2, 2 * D, generator=gen), ape, i32(0, 1), i32(9, 9),
                   out=torch.zeros(2, D, dtype=torch.float64))
+    tokens = torch.randn(2, 2 * D, generator=gen)
+    with pytest.raises(ValueError, match=r"^argument 'out': expected memory apart from 'kv_score_input' "
+                                         r"\(the call writes 'out'\)"):
+        fc.decode(buf, tokens, ape, i32(0, 1), i32(9, 9), out=tokens[:, :D])  # the output inside the input
     assert torch.equal(buf, before)
 
 

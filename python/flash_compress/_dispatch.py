@@ -123,13 +123,15 @@ def _naming_arguments(names: tuple[str, ...], arguments: dict[str, Any]) -> Iter
 
 
 def _raise_renamed(exc: Exception) -> None:
-    """Raises ``exc``'s message with the caller's name for the argument it names, where the names differ."""
+    """Raises ``exc``'s message with the caller's names for the arguments it names, where the names differ."""
     message = str(exc)
+    if not message.startswith("argument '"):
+        return
+    renamed = message
     for export_name, name in _EXPORT_NAMES.items():
-        named = f"argument '{export_name}'"
-        if message.startswith(named):
-            renamed = f"argument '{name}'{message[len(named):]}"
-            raise (TypeError if isinstance(exc, TypeError) else ValueError)(renamed) from None
+        renamed = renamed.replace(f"'{export_name}'", f"'{name}'")
+    if renamed != message:
+        raise (TypeError if isinstance(exc, TypeError) else ValueError)(renamed) from None
 
 
 def new_output(kv_score_input: torch.Tensor, ape: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
