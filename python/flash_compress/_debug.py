@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .plan_rows import CHUNK_SIZE, PlanError, check_rows, continues_chunk, is_plan_tensor
+from .plan_rows import PlanError, check_rows, continues_chunk, is_plan_tensor
 
 __all__ = ["check_commit", "check_decode", "check_planner_flag", "check_prefill", "check_verify", "enabled"]
 
@@ -92,7 +92,7 @@ def check_decode(
     _check_slots(kv_score_buffer, indices, "indices")
     _check_values(seq_lens, "seq_lens", 1, None, "every seq_len >= 1")
     if load_indices is not None and isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 1:
-        continues = [(n - 1) % CHUNK_SIZE != 0 for n in seq_lens.tolist()]
+        continues = [continues_chunk(n - 1, 1) for n in seq_lens.tolist()]  # the token at seq_len - 1
         _check_slots(kv_score_buffer, load_indices, "load_indices", continues)
     if isinstance(indices, torch.Tensor) and indices.dim() == 1:
         _check_distinct(indices.tolist(), list(range(indices.shape[0])), "indices",

@@ -18,7 +18,7 @@ from . import _debug
 from ._arguments import check_apart, check_contiguous, check_device
 from .c128_online import STATE_DTYPES, is_supported_head_dim, load_module, load_planner
 from .jit import JitDisabledError
-from .plan_rows import CHUNK_SIZE
+from .plan_rows import CHUNK_SIZE, continues_chunk
 
 __all__ = ["TORCH_STATE_DTYPES", "commit_into", "decode_into", "planner", "kernels", "new_output", "prefill_into",
            "relocate_states", "verify_into"]
@@ -113,11 +113,9 @@ def _naming_arguments(names: tuple[str, ...], arguments: dict[str, Any]) -> Iter
     an argument; an error naming an export's argument (``kv_compressed_output``) names the caller's (``out``)."""
     try:
         yield
-    except TypeError as exc:
-        _raise_if_not_tensors(names, arguments)
-        _raise_renamed(exc)
-        raise
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, TypeError):
+            _raise_if_not_tensors(names, arguments)
         _raise_renamed(exc)
         raise
 
@@ -199,7 +197,7 @@ def relocate_states(kv_score_buffer: torch.Tensor, indices: torch.Tensor, load_i
     (but slot 0, where it names none in the pool), which another stream may own.
     """
     num_slots = kv_score_buffer.shape[0]
-    fresh = (seq_lens.to(torch.int64) - 1) % CHUNK_SIZE == 0
+    fresh = ~continues_chunk(seq_lens.to(torch.int64) - 1, 1)  # the token at seq_len - 1 starts a chunk
     load_ok = (load_indices >= 0) & (load_indices < num_slots)
     in_pool = (indices >= 0) & (indices < num_slots)
     move = load_ok & in_pool & ~fresh & (seq_lens >= 1)  # what the kernel runs
