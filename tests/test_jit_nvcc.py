@@ -168,6 +168,16 @@ def test_loading_twice_in_one_process_returns_the_same_module(warm_cache, tmp_pa
     assert first.add_value(1) == 2
 
 
+def test_a_warm_up_then_a_load_report_one_cache_hit(warm_cache, tmp_path, caplog):
+    cache = copy_cache(warm_cache, tmp_path / "cache")
+    with caplog.at_level(logging.DEBUG, logger="flash_compress"):
+        assert jit.ensure_built(tiny_spec(), cache_dir=cache).status == "cached"
+        assert jit.load(tiny_spec(), cache_dir=cache).add_value(1) == 2
+        assert jit.ensure_built(tiny_spec(), cache_dir=cache).status == "cached"
+    hits = [r for r in caplog.records if r.getMessage().startswith("JIT cache hit")]
+    assert [r.levelno for r in hits] == [logging.INFO, logging.DEBUG, logging.DEBUG], caplog.text
+
+
 def test_header_edit_rebuilds_and_moving_the_tree_does_not(warm_cache, tmp_path):
     cache = copy_cache(warm_cache, tmp_path / "cache")
     moved = shutil.copytree(TINY, tmp_path / "moved" / "somewhere" / "jit_tiny")

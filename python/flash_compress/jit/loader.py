@@ -43,6 +43,16 @@ logger = logging.getLogger("flash_compress")
 
 _loaded: dict[tuple[JitSpec, tuple[str, ...], str], "tvm_ffi.Module"] = {}
 _loaded_lock = threading.Lock()
+#: Entries whose plain cache hit this process has reported: `ensure_built` then `load` of one
+#: variant (a warm-up, then the first call) says "cache hit" once.
+_reported_hits: set[Path] = set()
+
+
+def _report_hit(entry: Path) -> None:
+    with _loaded_lock:
+        first = entry not in _reported_hits
+        _reported_hits.add(entry)
+    logger.log(logging.INFO if first else logging.DEBUG, "JIT cache hit: %s", entry.name)
 
 
 @dataclass(frozen=True)
@@ -169,7 +179,7 @@ def _ensure(spec: JitSpec, arch: tuple[str, ...], layout: CacheLayout, distrust_
     folder = folder_name(spec.name, arch, inputs.key())
     verdict = verify_entry(layout.entry(folder), inputs.key())
     if _usable(verdict, distrust_sha):
-        logger.info("JIT cache hit: %s", folder)
+        _report_hit(layout.entry(folder))
         return _outcome(verdict, "cached", start, arch)
     covering = find_covering_entry(layout, inputs)
     if _usable(covering, distrust_sha):
