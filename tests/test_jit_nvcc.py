@@ -150,6 +150,9 @@ def test_cold_build_publishes_a_complete_entry_and_a_fresh_process_hits(warm_cac
 def test_warm_hit_in_a_fresh_process_runs_no_subprocess(warm_cache, tmp_path):
     cache = copy_cache(warm_cache, tmp_path / "cache")
     no_subprocess = (
+        # The dependencies' own imports may spawn processes (a CUDA build of torch asks ldconfig for libdl
+        # through ctypes.util.find_library on Python 3.10): they come first, the loader's hot path after.
+        "import tvm_ffi\n"
         "import subprocess\n"
         "def _refuse(*a, **k): raise AssertionError(f'subprocess on the hot path: {a}')\n"
         "subprocess.Popen = _refuse\n"
