@@ -171,14 +171,22 @@ def test_loading_twice_in_one_process_returns_the_same_module(warm_cache, tmp_pa
     assert first.add_value(1) == 2
 
 
-def test_a_warm_up_then_a_load_report_one_cache_hit(warm_cache, tmp_path, caplog):
-    cache = copy_cache(warm_cache, tmp_path / "cache")
-    with caplog.at_level(logging.DEBUG, logger="flash_compress"):
-        assert jit.ensure_built(tiny_spec(), cache_dir=cache).status == "cached"
-        assert jit.load(tiny_spec(), cache_dir=cache).add_value(1) == 2
-        assert jit.ensure_built(tiny_spec(), cache_dir=cache).status == "cached"
-    hits = [r for r in caplog.records if r.getMessage().startswith("JIT cache hit")]
-    assert [r.levelno for r in hits] == [logging.INFO, logging.DEBUG, logging.DEBUG], caplog.text
+def test_a_variant_says_compiled_or_cache_hit_once_per_process(warm_cache, tmp_path, caplog):
+    """A warm-up (``ensure_built``) then ``load``: the second call's hit logs at DEBUG, after a compile or a hit."""
+
+    def said(cache: Path) -> list[tuple[int, str]]:
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="flash_compress"):
+            jit.ensure_built(tiny_spec(), cache_dir=cache)
+            assert jit.load(tiny_spec(), cache_dir=cache).add_value(1) == 2
+            jit.ensure_built(tiny_spec(), cache_dir=cache)
+        return [(r.levelno, r.getMessage().split(":")[0].split(" jit_tiny")[0]) for r in caplog.records
+                if r.getMessage().startswith(("JIT cache hit", "JIT compiled"))]
+
+    assert said(tmp_path / "cold") == [(logging.INFO, "JIT compiled"), (logging.DEBUG, "JIT cache hit"),
+                                       (logging.DEBUG, "JIT cache hit")], caplog.text
+    assert said(copy_cache(warm_cache, tmp_path / "warm")) == [(logging.INFO, "JIT cache hit")] + [
+        (logging.DEBUG, "JIT cache hit")] * 2, caplog.text
 
 
 def test_header_edit_rebuilds_and_moving_the_tree_does_not(warm_cache, tmp_path):

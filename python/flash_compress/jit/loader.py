@@ -43,16 +43,17 @@ logger = logging.getLogger("flash_compress")
 
 _loaded: dict[tuple[JitSpec, tuple[str, ...], str], "tvm_ffi.Module"] = {}
 _loaded_lock = threading.Lock()
-#: Entries whose plain cache hit this process has reported: `ensure_built` then `load` of one
-#: variant (a warm-up, then the first call) says "cache hit" once.
-_reported_hits: set[Path] = set()
+#: Entries this process has already said it built or found: a variant's later hits (`ensure_built` as
+#: a warm-up, then `load`) log at DEBUG, so a variant says "JIT compiled" or "JIT cache hit" once.
+_reported: set[Path] = set()
 
 
-def _report_hit(entry: Path) -> None:
+def _report(entry: Path, message: str, *args: object, compiled: bool = False) -> None:
+    """Logs what became of ``entry``: at INFO for a compile and for the entry's first hit here, at DEBUG after."""
     with _loaded_lock:
-        first = entry not in _reported_hits
-        _reported_hits.add(entry)
-    logger.log(logging.INFO if first else logging.DEBUG, "JIT cache hit: %s", entry.name)
+        first = entry not in _reported
+        _reported.add(entry)
+    logger.log(logging.INFO if first or compiled else logging.DEBUG, message, *args)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def _build_locked(spec: JitSpec, layout: CacheLayout, folder: str, inputs, nvcc:
     try:
         verdict = verify_entry(entry, inputs.key())
         if _usable(verdict, distrust_sha):
-            logger.info("JIT cache hit: %s (built by another process while this one waited)", folder)
+            _report(entry, "JIT cache hit: %s (built by another process while this one waited)", folder)
             return _outcome(verdict, "cached", start, inputs.arch_list)
         if verdict.exists:
             problem = verdict.problem or "its shared library failed to load"
@@ -145,9 +146,9 @@ def _build_locked(spec: JitSpec, layout: CacheLayout, folder: str, inputs, nvcc:
             raise JitBuildError(folder, f"publish {staging} -> {entry}",
                                 (f"the published entry does not verify: {verdict.problem}",), entry / BUILD_LOG)
         if won:
-            logger.info("JIT compiled %s in %.1f s", folder, seconds)
+            _report(entry, "JIT compiled %s in %.1f s", folder, seconds, compiled=True)
         else:
-            logger.info("JIT cache hit: %s (another process published first)", folder)
+            _report(entry, "JIT cache hit: %s (another process published first)", folder)
         return _outcome(verdict, "built" if won else "cached", start, inputs.arch_list)
     finally:
         lock.release()
@@ -160,7 +161,8 @@ def _portable_hit(layout: CacheLayout, inputs: KeyInputs, distrust_sha: str | No
     verdict = find_covering_entry(layout, inputs, portable=True)
     if not _usable(verdict, distrust_sha):
         return None
-    logger.info("JIT cache hit: %s (%s; matched without the toolchain)", verdict.library.parent.name, why)
+    entry = verdict.library.parent
+    _report(entry, "JIT cache hit: %s (%s; matched without the toolchain)", entry.name, why)
     return _outcome(verdict, "cached", start, _built_for(verdict), portable=True)
 
 
@@ -179,11 +181,12 @@ def _ensure(spec: JitSpec, arch: tuple[str, ...], layout: CacheLayout, distrust_
     folder = folder_name(spec.name, arch, inputs.key())
     verdict = verify_entry(layout.entry(folder), inputs.key())
     if _usable(verdict, distrust_sha):
-        _report_hit(layout.entry(folder))
+        _report(layout.entry(folder), "JIT cache hit: %s", folder)
         return _outcome(verdict, "cached", start, arch)
     covering = find_covering_entry(layout, inputs)
     if _usable(covering, distrust_sha):
-        logger.info("JIT cache hit: %s (built for more archs than %s)", covering.library.parent.name, arch_tag(arch))
+        entry = covering.library.parent
+        _report(entry, "JIT cache hit: %s (built for more archs than %s)", entry.name, arch_tag(arch))
         return _outcome(covering, "cached", start, _built_for(covering))
     if config.disable_jit:
         # A node that may not compile has no use for its own toolchain: as where no nvcc exists (a build
